@@ -1,0 +1,31 @@
+"""megatron-llep: Least-Loaded Expert Parallelism (LLEP) for Megatron-Core MoE models.
+
+The planner (:mod:`megatron_llep.planner`), cost model and scenarios are pure and need no process
+group; :class:`LLEPMoELayer` and :func:`with_llep` put LLEP into a Megatron model.
+"""
+
+from megatron_llep.config import LLEPConfig
+from megatron_llep.cost_model import CostModel, ExpertShape
+from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CostModel",
+    "ExpertShape",
+    "LLEPConfig",
+    "LLEPMoELayer",
+    "LLEPPlan",
+    "RankPlan",
+    "plan_llep",
+    "with_llep",
+]
+
+
+def __getattr__(name):
+    # The Megatron-facing pieces import megatron.core; keep the pure planner importable without it.
+    if name in ("LLEPMoELayer", "with_llep"):
+        from megatron_llep import layer
+
+        return getattr(layer, name)
+    raise AttributeError(name)

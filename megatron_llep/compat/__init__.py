@@ -1,0 +1,1 @@
+"""Compatibility layers between megatron-llep and the Megatron-Core versions it supports."""

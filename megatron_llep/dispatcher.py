@@ -1,0 +1,218 @@
+"""LLEPTokenDispatcher: Megatron's alltoall dispatcher plus a per-step least-loaded spill.
+
+Per step it all-gathers the ``[P, N]`` routed-token counts, plans (every rank gets the same plan),
+and then either
+
+* runs Megatron's own alltoall code unchanged (plan is plain EP: balanced below ``lambda`` or no
+  spill worthwhile), or
+* sends each token-expert pair to the rank the plan chose, with the borrowed experts' weights
+  travelling by P2P alongside the token all-to-all, and restores the original order on combine.
+
+Both paths share Megatron's ``permute``/``unpermute`` around them, so the layer's inputs and
+outputs are laid out exactly as plain EP's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel import all_to_all
+from megatron.core.transformer.enums import CudaGraphScope
+from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_llep.config import LLEPConfig
+from megatron_llep.experts import ExpertAdapter
+from megatron_llep.metrics import STATS, LLEPStepStats
+from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
+from megatron_llep.weight_exchange import ExpertWeightExchange
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[index]`` for a row permutation; the backward is the inverse gather (exact, deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Reorder the rows of ``x`` by the permutation ``index`` (``inverse`` is its inverse)."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
+class _RowPermutation:
+    """A row permutation and its inverse, on the device they are applied on."""
+
+    def __init__(self, index: np.ndarray, device: torch.device) -> None:
+        inverse = np.empty_like(index)
+        inverse[index] = np.arange(index.size, dtype=index.dtype)
+        self.forward = torch.from_numpy(index).to(device, non_blocking=True)
+        self.inverse = torch.from_numpy(inverse).to(device, non_blocking=True)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return permute_rows(x, self.forward, self.inverse)
+
+    def undo(self, x: torch.Tensor) -> torch.Tensor:
+        return permute_rows(x, self.inverse, self.forward)
+
+
+def check_megatron_config(config: TransformerConfig, expert_tp_size: int) -> None:
+    """Reject Megatron settings LLEP does not implement, saying what to change."""
+    problems = []
+    if config.moe_token_dispatcher_type != "alltoall":
+        problems.append(
+            f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: LLEP extends the 'alltoall' dispatcher"
+        )
+    if expert_tp_size != 1:
+        problems.append(f"expert_tensor_parallel_size={expert_tp_size}: LLEP needs expert tensor parallel size 1")
+    if config.moe_pad_expert_input_to_capacity:
+        problems.append("moe_pad_expert_input_to_capacity=True: LLEP is dropless and does not pad experts")
+    if config.moe_router_padding_for_quantization:
+        problems.append("moe_router_padding_for_quantization=True is not supported by LLEP")
+    if getattr(config, "delay_wgrad_compute", False):
+        problems.append("delay_wgrad_compute=True: borrowed experts' weight gradients must be returned in backward")
+    if config.cuda_graph_impl != "none":
+        scopes = config.cuda_graph_scope if isinstance(config.cuda_graph_scope, list) else [config.cuda_graph_scope]
+        if any(s not in (CudaGraphScope.attn, "attn") for s in scopes):
+            problems.append("CUDA graphs over MoE layers: LLEP's per-step plan changes shapes; capture attention only")
+    if problems:
+        raise ValueError("LLEP cannot run with this Megatron config:\n  - " + "\n  - ".join(problems))
+
+
+class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """Alltoall dispatcher that balances expert load across EP ranks each step (LLEP)."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: List[int],
+        config: TransformerConfig,
+        pg_collection: ProcessGroupCollection,
+        llep_config: LLEPConfig,
+        expert_adapter: ExpertAdapter,
+        layer_number: Optional[int] = None,
+    ) -> None:
+        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
+        check_megatron_config(config, self.tp_size)
+        llep_config.validate_layout(self.num_experts, self.ep_size)
+        self.llep_config = llep_config
+        self.adapter = expert_adapter
+        self.layer_number = layer_number
+        self.ep_rank = self.ep_group.rank()
+        self.expert_shape = expert_adapter.expert_shape(config)
+        self.plan: Optional[LLEPPlan] = None
+        self.rank_plan: Optional[RankPlan] = None
+        self.last_stats: Optional[LLEPStepStats] = None
+        self.borrowed_weights: list[list[torch.Tensor]] = []
+        self._llep_active = False
+        self._exchange: Optional[ExpertWeightExchange] = None
+        # Megatron sets this only in its own preprocess; its D2H helper reads it on every step.
+        self.num_global_tokens_per_local_expert = None
+
+    # ------------------------------------------------------------------ planning
+    @property
+    def llep_active(self) -> bool:
+        """True in a step whose plan moves tokens off their native ranks."""
+        return self._llep_active
+
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """Gather the global counts, plan, and set the metadata of the chosen path."""
+        if self.ep_size == 1 or not self.llep_config.enabled:
+            self._llep_active = False
+            return super().preprocess(routing_map)
+        device = routing_map.device
+        local_counts = routing_map.sum(dim=0).long()
+        gathered = torch.empty(self.ep_size * self.num_experts, dtype=torch.long, device=device)
+        dist.all_gather_into_tensor(gathered, local_counts, group=self.ep_group)
+        counts = gathered.view(self.ep_size, self.num_experts).cpu().numpy()
+
+        start = time.perf_counter()
+        plan = plan_llep(counts, self.llep_config, self.expert_shape)
+        plan_time = time.perf_counter() - start
+        self.plan = plan
+        self.num_out_tokens = int(counts[self.ep_rank].sum())
+        if self.llep_config.record_stats:
+            self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)
+            STATS.record(self.last_stats)
+
+        self.borrowed_weights = []
+        if plan.is_plain_ep:
+            self._llep_active = False
+            self._exchange = None
+            return self._plain_ep_metadata(counts)
+
+        self._llep_active = True
+        rank_plan = plan.rank_view(self.ep_rank)
+        self.rank_plan = rank_plan
+        self._send_perm = _RowPermutation(rank_plan.send_order(), device)
+        self._recv_perm = _RowPermutation(rank_plan.recv_order(), device)
+        self._input_split_list = rank_plan.input_splits.tolist()
+        self._output_split_list = rank_plan.output_splits.tolist()
+        exchange = ExpertWeightExchange(
+            self.ep_group,
+            self.adapter,
+            self.local_expert_indices[0],
+            rank_plan.weights_to_send,
+            rank_plan.weights_to_receive,
+            device,
+        )
+        self._exchange = exchange if exchange.active else None
+        return torch.from_numpy(rank_plan.tokens_per_slot.copy())
+
+    def _plain_ep_metadata(self, counts: np.ndarray) -> torch.Tensor:
+        """Megatron's preprocess outputs (expert TP size 1), derived from the gathered counts."""
+        local = counts[:, self.local_expert_indices[0] : self.local_expert_indices[-1] + 1]
+        self.input_splits = counts[self.ep_rank].reshape(self.ep_size, self.num_local_experts).sum(axis=1)
+        self.output_splits = local.sum(axis=1)
+        self.output_splits_tp = np.array([local.sum()])
+        if self.num_local_experts > 1:
+            self.num_global_tokens_per_local_expert = torch.from_numpy(local.copy()).to(self.permute_idx_device)
+        return torch.from_numpy(local.sum(axis=0))
+
+    # ------------------------------------------------------------------ dispatch
+    def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
+        if not self._llep_active:
+            return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
+        tokens = self._send_perm.apply(permutated_local_input_tokens)
+        probs = self._send_perm.apply(permuted_probs)
+        if self._exchange is not None:
+            self._exchange.start()
+        global_tokens = all_to_all(self.ep_group, tokens, self._output_split_list, self._input_split_list)
+        global_probs = all_to_all(self.ep_group, probs, self._output_split_list, self._input_split_list)
+        if self._exchange is not None:
+            global_tokens, self.borrowed_weights = self._exchange.finish(global_tokens)
+        return global_tokens, global_probs
+
+    def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
+        if not self._llep_active:
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
+        tokens = self._recv_perm.apply(global_input_tokens)
+        probs = self._recv_perm.apply(global_probs)
+        return tokens, torch.from_numpy(self.rank_plan.tokens_per_slot.copy()), probs
+
+    # ------------------------------------------------------------------ combine
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self._llep_active:
+            return super().combine_preprocess(hidden_states)
+        return self._recv_perm.undo(hidden_states)
+
+    def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+        if not self._llep_active:
+            return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
+        tokens = all_to_all(self.ep_group, hidden_states, self._input_split_list, self._output_split_list)
+        return self._send_perm.undo(tokens)

@@ -1,0 +1,210 @@
+"""Running borrowed experts with exactly the native experts' math.
+
+A helper rank computes a borrowed expert by calling *its own* experts module (SequentialMLP,
+TEGroupedMLP or GroupedMLP) through ``torch.func.functional_call`` with the borrowed weights
+substituted into expert slots. The code path (fused or unfused bias+activation, gpt-oss clamp and
+GLU offset, probability weighting, fp8 padding) is therefore the native one by construction.
+
+An :class:`ExpertAdapter` knows, per experts-module type, which tensors make up one expert, where
+Megatron DDP keeps their gradient (``main_grad``), and how to substitute borrowed tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from abc import ABC, abstractmethod
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+
+from megatron_llep.cost_model import ExpertShape
+
+Tensors = list[torch.Tensor]
+
+
+@contextlib.contextmanager
+def _unfused_weight_grads(module: torch.nn.Module) -> Iterator[None]:
+    """Borrowed weights have no ``main_grad`` buffer, so their GEMMs must return ordinary weight
+    gradients: switch off gradient-accumulation fusion (Megatron and TE linears) for the call."""
+    saved = []
+    for sub in module.modules():
+        for attr in ("gradient_accumulation_fusion", "fuse_wgrad_accumulation"):
+            if getattr(sub, attr, False) is True:
+                saved.append((sub, attr))
+                setattr(sub, attr, False)
+    try:
+        yield
+    finally:
+        for sub, attr in saved:
+            setattr(sub, attr, True)
+
+
+class ExpertAdapter(ABC):
+    """Uniform access to one rank's experts module for the weight exchange and borrowed compute."""
+
+    def __init__(self, experts: torch.nn.Module, num_local_experts: int) -> None:
+        self.experts = experts
+        self.num_local_experts = num_local_experts
+
+    @abstractmethod
+    def expert_tensors(self, local_index: int) -> Tensors:
+        """The tensors (parameters or views of them) of native expert ``local_index``, in a fixed order."""
+
+    @abstractmethod
+    def main_grads(self, local_index: int) -> list[Optional[torch.Tensor]]:
+        """Megatron DDP gradient buffers matching :meth:`expert_tensors` (``None`` without DDP)."""
+
+    @abstractmethod
+    def substitute(self, borrowed: Sequence[Tensors]) -> dict[str, torch.Tensor]:
+        """Parameter overrides that put up to ``num_local_experts`` borrowed experts in slots 0.."""
+
+    def tensor_specs(self) -> list[tuple[torch.Size, torch.dtype]]:
+        """Shapes and dtypes of one expert's tensors (the same for every expert of the layer)."""
+        return [(t.shape, t.dtype) for t in self.expert_tensors(0)]
+
+    def expert_shape(self, config) -> ExpertShape:
+        """The expert's GEMM shape, for the cost model."""
+        return ExpertShape(
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.moe_ffn_hidden_size,
+            gated=config.gated_linear_unit,
+            bias=config.add_bias_linear,
+            dtype_bytes=self.expert_tensors(0)[0].element_size(),
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        tokens_per_slot: Sequence[int],
+        probs: torch.Tensor,
+        borrowed: Sequence[Tensors],
+    ) -> torch.Tensor:
+        """Native experts on the first ``num_local_experts`` slots, then each borrowed expert."""
+        local = self.num_local_experts
+        counts = [int(c) for c in tokens_per_slot]
+        if len(counts) != local + len(borrowed):
+            raise ValueError(f"{len(counts)} slot counts for {local} native and {len(borrowed)} borrowed experts")
+        rows = sum(counts[:local])
+        outputs = [self.experts(hidden[:rows], torch.tensor(counts[:local]), probs[:rows])[0]]
+        for start in range(0, len(borrowed), local):
+            group = borrowed[start : start + local]
+            group_counts = counts[local + start : local + start + len(group)]
+            group_rows = sum(group_counts)
+            padded = torch.tensor(group_counts + [0] * (local - len(group)))
+            with _unfused_weight_grads(self.experts):
+                out, _ = torch.func.functional_call(
+                    self.experts,
+                    self.substitute(group),
+                    (hidden[rows : rows + group_rows], padded, probs[rows : rows + group_rows]),
+                    strict=False,
+                )
+            outputs.append(out)
+            rows += group_rows
+        return torch.cat(outputs, dim=0)
+
+
+class SequentialMLPAdapter(ExpertAdapter):
+    """SequentialMLP: expert ``i`` is the MLP ``local_experts[i]``."""
+
+    def __init__(self, experts: SequentialMLP, num_local_experts: int) -> None:
+        super().__init__(experts, num_local_experts)
+        self._names = [name for name, _ in experts.local_experts[0].named_parameters()]
+
+    def _params(self, local_index: int) -> Tensors:
+        params = dict(self.experts.local_experts[local_index].named_parameters())
+        return [params[name] for name in self._names]
+
+    def expert_tensors(self, local_index: int) -> Tensors:
+        return self._params(local_index)
+
+    def main_grads(self, local_index: int) -> list[Optional[torch.Tensor]]:
+        return [getattr(p, "main_grad", None) for p in self._params(local_index)]
+
+    def substitute(self, borrowed: Sequence[Tensors]) -> dict[str, torch.Tensor]:
+        return {
+            f"local_experts.{slot}.{name}": tensor
+            for slot, tensors in enumerate(borrowed)
+            for name, tensor in zip(self._names, tensors)
+        }
+
+
+class TEGroupedMLPAdapter(ExpertAdapter):
+    """TEGroupedMLP: expert ``i`` owns ``linear_fc1.weight{i}``, ``linear_fc1.bias{i}``, ... ."""
+
+    _INDEXED = re.compile(r"^(?P<stem>.*\D)(?P<index>\d+)$")
+
+    def __init__(self, experts: torch.nn.Module, num_local_experts: int) -> None:
+        super().__init__(experts, num_local_experts)
+        stems: list[str] = []
+        for name, _ in experts.named_parameters():
+            match = self._INDEXED.match(name)
+            if match is None:
+                raise ValueError(f"cannot map grouped expert parameter {name!r} to an expert index")
+            if int(match["index"]) == 0:
+                stems.append(match["stem"])
+        self._stems = stems
+
+    def _params(self, local_index: int) -> Tensors:
+        params = dict(self.experts.named_parameters())
+        return [params[f"{stem}{local_index}"] for stem in self._stems]
+
+    def expert_tensors(self, local_index: int) -> Tensors:
+        return self._params(local_index)
+
+    def main_grads(self, local_index: int) -> list[Optional[torch.Tensor]]:
+        return [getattr(p, "main_grad", None) for p in self._params(local_index)]
+
+    def substitute(self, borrowed: Sequence[Tensors]) -> dict[str, torch.Tensor]:
+        return {
+            f"{stem}{slot}": tensor
+            for slot, tensors in enumerate(borrowed)
+            for stem, tensor in zip(self._stems, tensors)
+        }
+
+
+class GroupedMLPAdapter(ExpertAdapter):
+    """Legacy GroupedMLP: experts are blocks of ``weight1`` ``[D, M*2H]`` and ``weight2`` ``[M*H, D]``
+    (as GroupedMLP itself views them: ``weight1.view(M, D, -1)[i]``)."""
+
+    def _views(self, weight1: torch.Tensor, weight2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.experts.config.hidden_size
+        local = self.num_local_experts
+        return weight1.view(local, hidden, -1), weight2.view(local, -1, hidden)
+
+    def expert_tensors(self, local_index: int) -> Tensors:
+        w1, w2 = self._views(self.experts.weight1, self.experts.weight2)
+        return [w1[local_index], w2[local_index]]
+
+    def main_grads(self, local_index: int) -> list[Optional[torch.Tensor]]:
+        g1 = getattr(self.experts.weight1, "main_grad", None)
+        g2 = getattr(self.experts.weight2, "main_grad", None)
+        if g1 is None or g2 is None:
+            return [None, None]
+        v1, v2 = self._views(g1, g2)
+        return [v1[local_index], v2[local_index]]
+
+    def substitute(self, borrowed: Sequence[Tensors]) -> dict[str, torch.Tensor]:
+        pad = self.num_local_experts - len(borrowed)
+        w1 = [t[0] for t in borrowed] + [torch.zeros_like(borrowed[0][0])] * pad
+        w2 = [t[1] for t in borrowed] + [torch.zeros_like(borrowed[0][1])] * pad
+        return {
+            "weight1": torch.stack(w1).view_as(self.experts.weight1),
+            "weight2": torch.stack(w2).view_as(self.experts.weight2),
+        }
+
+
+def make_expert_adapter(experts: torch.nn.Module, num_local_experts: int) -> ExpertAdapter:
+    """The adapter for a Megatron experts module; raises for module types LLEP cannot borrow from."""
+    if isinstance(experts, SequentialMLP):
+        return SequentialMLPAdapter(experts, num_local_experts)
+    if isinstance(experts, TEGroupedMLP):
+        return TEGroupedMLPAdapter(experts, num_local_experts)
+    if isinstance(experts, GroupedMLP):
+        return GroupedMLPAdapter(experts, num_local_experts)
+    raise TypeError(
+        f"LLEP cannot run borrowed experts for {type(experts).__name__}; supported experts modules are "
+        "SequentialMLP, TEGroupedMLP and GroupedMLP"
+    )

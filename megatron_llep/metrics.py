@@ -1,0 +1,81 @@
+"""Per-layer LLEP step statistics, kept for loggers (wandb, stdout) to read and reset."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+from megatron_llep.planner import LLEPPlan
+
+
+@dataclass
+class LLEPStepStats:
+    """What one MoE layer's plan did in one forward step."""
+
+    layer_number: Optional[int]
+    mode: str  # "llep", "plain" (no spill needed) or "fallback" (balanced below lambda)
+    max_mean_before: float
+    max_mean_after: float
+    spilled_tokens: int
+    moved_tokens: int
+    weight_transfers: int
+    weight_bytes: int
+    plan_time_s: float
+    expert_loads: np.ndarray
+    rank_loads_after: np.ndarray
+
+    @classmethod
+    def from_plan(
+        cls, plan: LLEPPlan, layer_number: Optional[int], expert_weight_bytes: int, plan_time_s: float
+    ) -> "LLEPStepStats":
+        before, after = plan.rank_loads_before, plan.rank_loads_after
+        mean = max(before.mean(), 1e-12)
+        mode = "llep" if not plan.is_plain_ep else ("fallback" if plan.fallback else "plain")
+        return cls(
+            layer_number=layer_number,
+            mode=mode,
+            max_mean_before=float(before.max() / mean) if before.sum() else 1.0,
+            max_mean_after=float(after.max() / mean) if after.sum() else 1.0,
+            spilled_tokens=plan.spilled_tokens,
+            moved_tokens=plan.moved_tokens(),
+            weight_transfers=plan.num_weight_transfers,
+            weight_bytes=plan.num_weight_transfers * expert_weight_bytes,
+            plan_time_s=plan_time_s,
+            expert_loads=plan.counts.sum(axis=0),
+            rank_loads_after=after.copy(),
+        )
+
+    def scalars(self) -> dict[str, float]:
+        """The numeric fields, for a metrics sink."""
+        row = asdict(self)
+        row.pop("expert_loads")
+        row.pop("rank_loads_after")
+        row.pop("layer_number")
+        row["llep_active"] = float(row.pop("mode") == "llep")
+        return {k: float(v) for k, v in row.items()}
+
+
+class LLEPStatsTracker:
+    """Collects :class:`LLEPStepStats` by layer; ``drain()`` returns and clears them."""
+
+    def __init__(self) -> None:
+        self._steps: dict[Optional[int], list[LLEPStepStats]] = {}
+
+    def record(self, stats: LLEPStepStats) -> None:
+        self._steps.setdefault(stats.layer_number, []).append(stats)
+
+    def drain(self) -> dict[Optional[int], list[LLEPStepStats]]:
+        steps, self._steps = self._steps, {}
+        return steps
+
+    def summary(self) -> dict[str, float]:
+        """Mean of every scalar over all recorded steps and layers (without clearing)."""
+        rows = [s.scalars() for layer in self._steps.values() for s in layer]
+        if not rows:
+            return {}
+        return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
+STATS = LLEPStatsTracker()

@@ -1,0 +1,402 @@
+"""Least-Loaded Assignment (LLA) with spilling (LLAS): the per-step LLEP plan.
+
+Pure numpy, no torch.distributed: every EP rank calls :func:`plan_llep` on the same global count
+matrix and gets the same plan, so no plan is ever broadcast.
+
+Notation: ``P`` EP ranks, ``N`` experts, ``M = N / P`` native experts per rank (rank ``p`` owns
+experts ``pM .. (p+1)M-1``), ``C[src, e]`` tokens that rank ``src`` routes to expert ``e``.
+
+The algorithm (SPEC section 1, step 3):
+  * capacity ``cap = alpha * sum(l) / P``;
+  * experts are visited in descending load order; a rank's *effective* load is what it has been
+    assigned plus the load of its native experts not visited yet, so a helper is never picked
+    while its own hot experts are still to come;
+  * the native rank keeps an expert's tokens up to its remaining capacity, the excess goes to the
+    least-loaded rank with room (inside the native rank's node first), repeating until assigned;
+  * a remainder smaller than ``m`` is not worth a GEMM and stays native, as long as that keeps the
+    native rank within ``cap + m``;
+  * when no rank has room the remainder goes to the least-loaded rank anyway (never drop a token);
+  * with a cost model, a spill happens only if the predicted transfer time is below the GEMM time
+    it saves the native rank.
+Spilled tokens of an expert are first taken from the helper's own routed tokens (no traffic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from megatron_llep.config import LLEPConfig
+from megatron_llep.cost_model import ExpertShape
+
+
+@dataclass
+class RankPlan:
+    """What one rank does under a plan (all host-side numpy).
+
+    ``send_counts[e, dst]``: tokens of expert ``e`` this rank sends to ``dst`` (itself included);
+    ``recv_counts[src, e]``: tokens of expert ``e`` this rank receives from ``src``;
+    ``slot_experts``: experts this rank computes, its ``M`` native experts first, then borrowed
+    ones in ascending id; ``tokens_per_slot`` their token counts;
+    ``weights_to_send``: ``(expert, helper)`` pairs; ``weights_to_receive``: ``(expert, native)``.
+    """
+
+    rank: int
+    send_counts: np.ndarray
+    recv_counts: np.ndarray
+    slot_experts: np.ndarray
+    tokens_per_slot: np.ndarray
+    weights_to_send: list[tuple[int, int]]
+    weights_to_receive: list[tuple[int, int]]
+
+    @property
+    def input_splits(self) -> np.ndarray:
+        return self.send_counts.sum(axis=0)
+
+    @property
+    def output_splits(self) -> np.ndarray:
+        return self.recv_counts.sum(axis=1)
+
+    @property
+    def borrowed_experts(self) -> np.ndarray:
+        return self.slot_experts[self.num_native_slots :]
+
+    @property
+    def num_native_slots(self) -> int:
+        return self.slot_experts.size - len(self.weights_to_receive)
+
+    def send_order(self) -> np.ndarray:
+        """Row gather index: expert-major permuted tokens -> destination-major a2a input."""
+        num_experts, ep = self.send_counts.shape
+        order = np.arange(num_experts * ep).reshape(num_experts, ep).T.ravel()
+        return chunk_gather_index(self.send_counts.ravel(), order)
+
+    def recv_order(self) -> np.ndarray:
+        """Row gather index: a2a output (source-major) -> slot-major expert input."""
+        ep, num_experts = self.recv_counts.shape
+        order = (np.arange(ep)[None, :] * num_experts + self.slot_experts[:, None]).ravel()
+        return chunk_gather_index(self.recv_counts.ravel(), order)
+
+
+@dataclass
+class LLEPPlan:
+    """A step's plan. Experts not in ``spilled_experts`` send every token to their native rank."""
+
+    counts: np.ndarray
+    num_local_experts: int
+    capacity: float
+    rank_loads_before: np.ndarray
+    rank_loads_after: np.ndarray
+    fallback: bool
+    spilled_experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # Every token movement of a spilled expert, staying put included: (expert, src, dst, count).
+    chunk_expert: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    chunk_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    chunk_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    chunk_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # Weight copies: (expert, native, helper).
+    transfer_expert: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    transfer_native: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    transfer_helper: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def ep_size(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.shape[1]
+
+    @property
+    def is_plain_ep(self) -> bool:
+        """True when every token goes to its native expert rank (exactly plain EP)."""
+        return self.spilled_experts.size == 0
+
+    @property
+    def native_rank(self) -> np.ndarray:
+        return np.arange(self.num_experts) // self.num_local_experts
+
+    @property
+    def num_weight_transfers(self) -> int:
+        return int(self.transfer_expert.size)
+
+    @property
+    def spilled_tokens(self) -> int:
+        """Token-expert assignments computed away from their native rank."""
+        native = self.native_rank[self.chunk_expert]
+        return int(self.chunk_count[self.chunk_dst != native].sum())
+
+    def token_chunks(self) -> np.ndarray:
+        """All non-empty ``(expert, src, dst, count)`` rows, implicit native ones included."""
+        counts = self.counts.copy()
+        counts[:, self.spilled_experts] = 0
+        src, expert = np.nonzero(counts)
+        implicit = np.stack([expert, src, self.native_rank[expert], counts[src, expert]], axis=1)
+        explicit = np.stack([self.chunk_expert, self.chunk_src, self.chunk_dst, self.chunk_count], axis=1)
+        rows = np.concatenate([implicit, explicit.reshape(-1, 4)], axis=0)
+        rows = rows[rows[:, 3] > 0]
+        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+
+    def moved_tokens(self) -> int:
+        """Token-expert assignments that cross ranks (src != dst)."""
+        chunks = self.token_chunks()
+        return int(chunks[chunks[:, 1] != chunks[:, 2], 3].sum())
+
+    def rank_view(self, rank: int) -> RankPlan:
+        """The per-rank communication and compute layout of this plan."""
+        ep, num_experts, local = self.ep_size, self.num_experts, self.num_local_experts
+        if not 0 <= rank < ep:
+            raise ValueError(f"rank {rank} is outside the EP group of size {ep}")
+        native = self.native_rank
+        send = np.zeros((num_experts, ep), np.int64)
+        send[np.arange(num_experts), native] = self.counts[rank]
+        recv = np.zeros((ep, num_experts), np.int64)
+        mine = slice(rank * local, (rank + 1) * local)
+        recv[:, mine] = self.counts[:, mine]
+        if self.spilled_experts.size:
+            send[self.spilled_experts] = 0
+            recv[:, self.spilled_experts] = 0
+            out = self.chunk_src == rank
+            np.add.at(send, (self.chunk_expert[out], self.chunk_dst[out]), self.chunk_count[out])
+            into = self.chunk_dst == rank
+            np.add.at(recv, (self.chunk_src[into], self.chunk_expert[into]), self.chunk_count[into])
+        sends = sorted(
+            (int(e), int(h)) for e, n, h in zip(self.transfer_expert, self.transfer_native, self.transfer_helper) if n == rank
+        )
+        receives = sorted(
+            (int(e), int(n)) for e, n, h in zip(self.transfer_expert, self.transfer_native, self.transfer_helper) if h == rank
+        )
+        slots = np.concatenate([np.arange(mine.start, mine.stop), np.array([e for e, _ in receives], np.int64)])
+        return RankPlan(
+            rank=rank,
+            send_counts=send,
+            recv_counts=recv,
+            slot_experts=slots.astype(np.int64),
+            tokens_per_slot=recv[:, slots].sum(axis=0),
+            weights_to_send=sends,
+            weights_to_receive=receives,
+        )
+
+
+def chunk_gather_index(sizes: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Row index that concatenates chunks (given by ``sizes`` in storage order) in ``order``.
+
+    Chunks not named in ``order`` must be empty. Vectorised: no Python loop over chunks.
+    """
+    sizes = np.asarray(sizes, np.int64)
+    starts = np.cumsum(sizes) - sizes
+    picked = sizes[order]
+    total = int(picked.sum())
+    if total != int(sizes.sum()):
+        raise ValueError("chunk_gather_index: order leaves out non-empty chunks")
+    offsets = np.repeat(starts[order] - (np.cumsum(picked) - picked), picked)
+    return offsets + np.arange(total, dtype=np.int64)
+
+
+def rank_loads(counts: np.ndarray, num_local_experts: int) -> np.ndarray:
+    """Tokens each rank computes under plain EP (``counts`` is ``[P, N]`` or ``[N]``)."""
+    loads = np.asarray(counts).reshape(-1, np.asarray(counts).shape[-1]).sum(axis=0)
+    return loads.reshape(-1, num_local_experts).sum(axis=1)
+
+
+def plan_llep(
+    counts: np.ndarray,
+    config: LLEPConfig,
+    expert_shape: Optional[ExpertShape] = None,
+) -> LLEPPlan:
+    """Compute the LLEP plan for one MoE layer step from the global ``[P, N]`` count matrix.
+
+    ``expert_shape`` is needed only when ``config.cost_aware`` (it sizes GEMMs and transfers).
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 2:
+        raise ValueError(f"counts must be a [ep_size, num_experts] matrix, got shape {counts.shape}")
+    if not np.issubdtype(counts.dtype, np.integer):
+        raise TypeError(f"counts must be integers, got dtype {counts.dtype}")
+    if counts.size and counts.min() < 0:
+        raise ValueError("counts must be non-negative")
+    counts = counts.astype(np.int64, copy=False)
+    ep, num_experts = counts.shape
+    local = config.validate_layout(num_experts, ep)
+    if config.cost_aware and expert_shape is None:
+        raise ValueError("a cost-aware LLEP plan needs the expert shape (pass expert_shape or set cost_aware=False)")
+
+    loads = counts.sum(axis=0)
+    before = loads.reshape(ep, local).sum(axis=1)
+    total = int(loads.sum())
+    capacity = config.alpha * total / ep
+    plain = LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
+    if total == 0 or ep == 1:
+        return plain
+    if before.max() * ep < config.imbalance_threshold * total:
+        return plain
+
+    splits = _least_loaded_assignment(counts, loads, local, capacity, config, expert_shape)
+    if not splits:
+        plain.fallback = False
+        return plain
+    return _build_plan(counts, local, capacity, before, splits, config)
+
+
+def _node_of(ranks: np.ndarray, ranks_per_node: Optional[int]) -> np.ndarray:
+    if ranks_per_node is None:
+        return np.zeros_like(ranks)
+    return ranks // ranks_per_node
+
+
+def _least_loaded_assignment(
+    counts: np.ndarray,
+    loads: np.ndarray,
+    local: int,
+    capacity: float,
+    config: LLEPConfig,
+    shape: Optional[ExpertShape],
+) -> dict[int, list[tuple[int, int]]]:
+    """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank."""
+    ep = counts.shape[0]
+    m = config.min_chunk_tokens
+    ranks = np.arange(ep)
+    node = _node_of(ranks, config.ranks_per_node)
+    cost = config.cost_model if config.cost_aware else None
+    native_of = np.arange(loads.size) // local
+    assigned = np.zeros(ep, np.int64)
+    pending = loads.reshape(ep, local).sum(axis=1).astype(np.int64)
+    slack_limit = capacity + m
+    splits: dict[int, list[tuple[int, int]]] = {}
+    order = np.argsort(-loads, kind="stable")
+
+    for e in order.tolist():
+        load = int(loads[e])
+        if load == 0:
+            break
+        n = int(native_of[e])
+        pending[n] -= load
+        effective_n = assigned[n] + pending[n]
+        keep = min(load, max(0, int(np.floor(capacity - effective_n))))
+        if keep == load or (load - keep < m and effective_n + load <= slack_limit):
+            assigned[n] += load
+            continue
+
+        parts: dict[int, int] = {}
+        remaining = load
+        if keep:
+            parts[n] = keep
+            assigned[n] += keep
+            remaining -= keep
+        while remaining > 0:
+            effective = assigned + pending
+            room = np.floor(capacity - effective).astype(np.int64)
+            room[n] = -1
+            need = min(remaining, m) if m > 0 else 1
+            helper = _least_loaded_with_room(effective, room, need, node, node[n])
+            if helper is None:
+                # Nobody has room for a worthwhile chunk: least-loaded rank takes up to cap + m.
+                helper = int(np.argmin(effective))
+                take = int(np.floor(slack_limit - effective[helper]))
+                take = remaining if take < need else min(remaining, take)
+            else:
+                take = min(remaining, int(room[helper]))
+            if helper != n and cost is not None:
+                moved = take - min(int(counts[helper, e]), take)
+                inter = bool(node[helper] != node[n])
+                if not cost.spill_pays(take, moved, shape, inter, needs_weights=helper not in parts):
+                    helper, take = n, remaining
+            parts[helper] = parts.get(helper, 0) + take
+            assigned[helper] += take
+            remaining -= take
+            if 0 < remaining < m and assigned[n] + pending[n] + remaining <= slack_limit:
+                parts[n] = parts.get(n, 0) + remaining
+                assigned[n] += remaining
+                remaining = 0
+        if set(parts) != {n}:
+            splits[e] = sorted(parts.items())
+    return splits
+
+
+def _least_loaded_with_room(
+    effective: np.ndarray, room: np.ndarray, need: int, node: np.ndarray, native_node: int
+) -> Optional[int]:
+    """Least effective load among ranks with ``room >= need``, inside the native node first."""
+    fits = room >= need
+    if not fits.any():
+        return None
+    same_node = fits & (node == native_node)
+    pool = same_node if same_node.any() else fits
+    candidates = np.flatnonzero(pool)
+    return int(candidates[np.argmin(effective[candidates])])
+
+
+def _build_plan(
+    counts: np.ndarray,
+    local: int,
+    capacity: float,
+    before: np.ndarray,
+    splits: dict[int, list[tuple[int, int]]],
+    config: LLEPConfig,
+) -> LLEPPlan:
+    ep = counts.shape[0]
+    node = _node_of(np.arange(ep), config.ranks_per_node)
+    after = before.copy()
+    chunks: list[tuple[int, int, int, int]] = []
+    transfers: list[tuple[int, int, int]] = []
+    for e in sorted(splits):
+        n = e // local
+        parts = dict(splits[e])
+        after[n] -= int(counts[:, e].sum())
+        for dst, tokens in parts.items():
+            after[dst] += tokens
+            if dst != n:
+                transfers.append((e, n, dst))
+        chunks.extend(_transport(e, counts[:, e], parts, node))
+    chunk_arr = np.array(chunks, np.int64).reshape(-1, 4)
+    transfer_arr = np.array(transfers, np.int64).reshape(-1, 3)
+    return LLEPPlan(
+        counts=counts,
+        num_local_experts=local,
+        capacity=capacity,
+        rank_loads_before=before,
+        rank_loads_after=after,
+        fallback=False,
+        spilled_experts=np.array(sorted(splits), np.int64),
+        chunk_expert=chunk_arr[:, 0],
+        chunk_src=chunk_arr[:, 1],
+        chunk_dst=chunk_arr[:, 2],
+        chunk_count=chunk_arr[:, 3],
+        transfer_expert=transfer_arr[:, 0],
+        transfer_native=transfer_arr[:, 1],
+        transfer_helper=transfer_arr[:, 2],
+    )
+
+
+def _transport(
+    expert: int, supply: np.ndarray, demand: dict[int, int], node: np.ndarray
+) -> list[tuple[int, int, int, int]]:
+    """Decide which source sends how many of ``expert``'s tokens to each destination.
+
+    Each destination first takes its own routed tokens, then same-node sources, then the rest, in
+    ascending rank order — deterministic and traffic-minimising for a fixed assignment.
+    """
+    supply = supply.astype(np.int64).copy()
+    need = dict(demand)
+    moves: list[tuple[int, int, int, int]] = []
+    for dst in sorted(need):
+        own = min(int(supply[dst]), need[dst])
+        if own:
+            moves.append((expert, dst, dst, own))
+            supply[dst] -= own
+            need[dst] -= own
+    for dst in sorted(need):
+        if need[dst] == 0:
+            continue
+        sources = np.flatnonzero(supply)
+        sources = np.concatenate([sources[node[sources] == node[dst]], sources[node[sources] != node[dst]]])
+        for src in sources.tolist():
+            take = min(int(supply[src]), need[dst])
+            moves.append((expert, src, dst, take))
+            supply[src] -= take
+            need[dst] -= take
+            if need[dst] == 0:
+                break
+    return moves

@@ -1,0 +1,103 @@
+"""Build real Megatron-Core MoE layers (plain EP and LLEP) with identical, distinct weights."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_llep.config import LLEPConfig
+from megatron_llep.layer import LLEPMoELayer
+
+
+def init_expert_parallel(ep_size: int, seed: int = 1234) -> None:
+    """Megatron parallel state for a pure expert-parallel group over all ranks (TP = PP = 1)."""
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep_size)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def moe_config(
+    num_experts: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    topk: int,
+    ep_size: int,
+    gpt_oss_experts: bool = False,
+    bias_activation_fusion: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> TransformerConfig:
+    """A TransformerConfig for one MoE layer on CPU; ``gpt_oss_experts`` gives gpt-oss's expert
+    math (biases, quick-GELU GLU with linear offset 1.0 and clamp 7.0), else SwiGLU without bias."""
+    expert_math = (
+        dict(
+            add_bias_linear=True,
+            gated_linear_unit=True,
+            activation_func=quick_gelu,
+            glu_linear_offset=1.0,
+            activation_func_clamp_value=7.0,
+            bias_activation_fusion=bias_activation_fusion,
+        )
+        if gpt_oss_experts
+        else dict(add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False)
+    )
+    fields = dict(
+        num_layers=1,
+        hidden_size=hidden_size,
+        num_attention_heads=2,
+        ffn_hidden_size=ffn_hidden_size,
+        moe_ffn_hidden_size=ffn_hidden_size,
+        num_moe_experts=num_experts,
+        moe_router_topk=topk,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_pre_softmax=topk == 1,  # Megatron requires pre-softmax for top-1
+        expert_model_parallel_size=ep_size,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        gradient_accumulation_fusion=False,
+        moe_enable_routing_replay=True,
+        **expert_math,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_moe_layer(
+    config: TransformerConfig, llep_config: Optional[LLEPConfig] = None, seed: int = 0, weight_scale: float = 0.2
+) -> MoELayer:
+    """A Megatron MoELayer (plain EP) or LLEPMoELayer (routing can be forced with
+    :func:`megatron_llep.scenarios.force_routing`).
+
+    Weights are set from ``seed`` and each expert's *global* id, so every expert differs from every
+    other and both layer kinds built with the same seed hold identical weights.
+    """
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if llep_config is None:
+        layer = MoELayer(config, spec.submodules, layer_number=1)
+    else:
+        layer = LLEPMoELayer(config, spec.submodules, layer_number=1, llep_config=llep_config)
+    set_distinct_weights(layer, seed, weight_scale)
+    return layer
+
+
+@torch.no_grad()
+def set_distinct_weights(layer: MoELayer, seed: int, scale: float = 0.2) -> None:
+    """Router weights from ``seed`` (identical on every rank); expert ``g``'s from ``(seed, g)``."""
+    gen = torch.Generator().manual_seed(seed)
+    for param in layer.router.parameters():
+        param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    for local, expert in enumerate(layer.experts.local_experts):
+        gen = torch.Generator().manual_seed(seed * 100003 + layer.local_expert_indices[local] + 1)
+        for param in expert.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)

@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-llep",
+    version="0.1.0",
+    description="Least-Loaded Expert Parallelism and communication-aware expert placement for Megatron-Core MoE",
+    packages=find_packages(include=["megatron_llep", "megatron_llep.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch 2.13.0's CPU wheel is what the CPU CI uses; any 2.x Megatron-Core 0.16 supports works
+        "torch>=2.6,<2.15",
+        "megatron-core>=0.16.0,<0.17",
+        "numpy>=1.24",
+        "wandb>=0.31,<0.32",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        "gpu": ["transformer-engine[pytorch]>=2.6"],
+    },
+)
