@@ -15,7 +15,8 @@ The algorithm (SPEC section 1, step 3):
     least-loaded rank with room (inside the native rank's node first), repeating until assigned;
   * a remainder smaller than ``m`` is not worth a GEMM and stays native, as long as that keeps the
     native rank within ``cap + m``;
-  * when no rank has room the remainder goes to the least-loaded rank anyway (never drop a token);
+  * when no rank has room the remainder goes to the least-loaded rank anyway, up to ``cap + m``
+    while possible (never drop a token): with ``alpha >= 1`` no rank ends above ``ceil(cap) + m``;
   * with a cost model, a spill happens only if the predicted transfer time is below the GEMM time
     it saves the native rank.
 Spilled tokens of an expert are first taken from the helper's own routed tokens (no traffic).
@@ -292,10 +293,11 @@ def _least_loaded_assignment(
             need = min(remaining, m) if m > 0 else 1
             helper = _least_loaded_with_room(effective, room, need, node, node[n])
             if helper is None:
-                # Nobody has room for a worthwhile chunk: least-loaded rank takes up to cap + m.
+                # Nobody has room for a worthwhile chunk: the least-loaded rank takes up to cap + m
+                # (at least one token, so integer rounding cannot stall); past that, everything.
                 helper = int(np.argmin(effective))
-                take = int(np.floor(slack_limit - effective[helper]))
-                take = remaining if take < need else min(remaining, take)
+                slack = slack_limit - effective[helper]
+                take = min(remaining, max(int(np.ceil(slack)), 1)) if slack > 0 else remaining
             else:
                 take = min(remaining, int(room[helper]))
             if helper != n and cost is not None:

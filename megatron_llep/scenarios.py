@@ -49,9 +49,7 @@ def imbalanced_topk(
     if num_hot == 0 or hot_fraction == 0.0:
         return _distinct_uniform(rng, num_tokens, np.arange(num_experts), topk)
     cold = np.setdiff1d(np.arange(num_experts), hot)
-    hot_per_token = min(num_hot, topk)
-    if cold.size < topk - hot_per_token:
-        raise ValueError("not enough non-hot experts to fill the top-k of a hot token")
+    hot_per_token = min(num_hot, topk)  # topk <= num_experts leaves enough cold experts
     is_hot = rng.random(num_tokens) < hot_fraction
     ids = np.empty((num_tokens, topk), np.int64)
     num_hot_tokens = int(is_hot.sum())

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from megatron_llep.config import LLEPConfig
 from megatron_llep.scenarios import force_routing, imbalanced_topk
-from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
+from megatron_llep.testing import grouped_gemm_cpu
+from megatron_llep.testing.moe import build_moe_layer, expert_weights, init_expert_parallel, moe_config
 from megatron_llep.testing.reference import dense_moe_reference
 
 
@@ -34,6 +35,7 @@ class Case:
     imbalance_threshold: float = 1.3
     alpha: float = 1.0
     expect_mode: str = "llep"
+    grouped_gemm: bool = False  # Megatron's legacy GroupedMLP (bf16) instead of SequentialMLP
 
 
 def _expert_ids(case: Case, rank: int, tokens: int) -> np.ndarray:
@@ -57,28 +59,19 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _expert_param_names(layer) -> list[str]:
-    return [n for n, _ in layer.experts.local_experts[0].named_parameters()]
-
-
 def _gather_experts(layer, world: int) -> list[dict]:
-    """Every expert's weights, float64, gathered from their native ranks."""
-    names = _expert_param_names(layer)
-    local = [dict(e.named_parameters()) for e in layer.experts.local_experts]
-    gathered: dict[str, list[torch.Tensor]] = {}
-    for name in names:
-        mine = torch.stack([p[name].detach() for p in local])
+    """Every expert's weights (float64 leaves), gathered from their native ranks."""
+    local = expert_weights(layer)
+    experts: list[dict] = [dict() for _ in range(layer.config.num_moe_experts)]
+    for key in local[0]:
+        mine = torch.stack([weights[key].detach().contiguous() for weights in local])
         out = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(out, mine)
-        gathered[name] = [t for block in out for t in block]
-    key = {"linear_fc1.weight": "fc1_weight", "linear_fc1.bias": "fc1_bias", "linear_fc2.weight": "fc2_weight", "linear_fc2.bias": "fc2_bias"}
-    num = len(gathered[names[0]])
-    experts = []
-    for e in range(num):
-        weights = {v: None for v in key.values()}
-        for name in names:
-            weights[key[name]] = gathered[name][e].double().clone().requires_grad_()
-        experts.append(weights)
+        for e, tensor in enumerate(t for block in out for t in block):
+            experts[e][key] = tensor.double().clone().requires_grad_()
+    for weights in experts:
+        for key in ("fc1_bias", "fc2_bias"):
+            weights.setdefault(key, None)
     return experts
 
 
@@ -91,21 +84,24 @@ def _run_layer(layer, x, dy, ids):
         "out": out.detach(),
         "dx": xi.grad.detach(),
         "router": layer.router.weight.grad.detach().clone(),
-        "experts": {n: p.grad.detach().clone() for n, p in layer.experts.named_parameters()},
+        "experts": [{k: g.detach().clone() for k, g in w.items()} for w in expert_weights(layer, grads=True)],
     }
 
 
 def compare_case(rank: int, world: int, case: Case) -> dict:
     tokens = case.tokens[rank] if case.tokens else 24
+    dtype = torch.bfloat16 if case.grouped_gemm else torch.float32
+    if case.grouped_gemm:
+        grouped_gemm_cpu.install()
     cfg = moe_config(case.num_experts, case.hidden, case.ffn, case.topk, world, gpt_oss_experts=case.gpt_oss,
-                     bias_activation_fusion=case.fused_bias_act)
+                     bias_activation_fusion=case.fused_bias_act, params_dtype=dtype)
     llep_cfg = LLEPConfig(min_chunk_tokens=case.min_chunk_tokens, imbalance_threshold=case.imbalance_threshold,
                           alpha=case.alpha, cost_aware=False)
-    stock = build_moe_layer(cfg, None, seed=7)
-    llep = build_moe_layer(cfg, llep_cfg, seed=7)
+    stock = build_moe_layer(cfg, None, seed=7, grouped_gemm=case.grouped_gemm)
+    llep = build_moe_layer(cfg, llep_cfg, seed=7, grouped_gemm=case.grouped_gemm)
     gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(tokens, 1, case.hidden, generator=gen)
-    dy = torch.randn(tokens, 1, case.hidden, generator=gen)
+    x = torch.randn(tokens, 1, case.hidden, generator=gen).to(dtype)
+    dy = torch.randn(tokens, 1, case.hidden, generator=gen).to(dtype)
     ids = _expert_ids(case, rank, tokens)
 
     ref_stock = _run_layer(stock, x, dy, ids)
@@ -119,7 +115,6 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     b64 = None if stock.router.bias is None else stock.router.bias.detach().double()
     y64 = dense_moe_reference(x64, w64, b64, torch.as_tensor(ids), experts, cfg)
     (y64 * dy.view(tokens, -1).double()).sum().backward()
-    key = {"linear_fc1.weight": "fc1_weight", "linear_fc1.bias": "fc1_bias", "linear_fc2.weight": "fc2_weight", "linear_fc2.bias": "fc2_bias"}
     errs = {
         "out_vs_stock": _rel_err(got["out"], ref_stock["out"]),
         "dx_vs_stock": _rel_err(got["dx"], ref_stock["dx"]),
@@ -137,11 +132,11 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
                 dist.all_reduce(grad)
                 ref_grads[e, k] = grad
     expert_stock, expert_ref = 0.0, 0.0
-    for name, grad in got["experts"].items():
-        expert_stock = max(expert_stock, _rel_err(grad, ref_stock["experts"][name]))
-        _, local, *rest = name.split(".")  # local_experts.{i}.linear_fc1.weight
-        g = llep.local_expert_indices[int(local)]
-        expert_ref = max(expert_ref, _rel_err(grad, ref_grads[g, key[".".join(rest)]]))
+    for local, grads in enumerate(got["experts"]):
+        g = llep.local_expert_indices[local]
+        for k, grad in grads.items():
+            expert_stock = max(expert_stock, _rel_err(grad, ref_stock["experts"][local][k]))
+            expert_ref = max(expert_ref, _rel_err(grad, ref_grads[g, k]))
     errs["experts_vs_stock"] = expert_stock
     errs["experts_vs_ref"] = expert_ref
     errs["mode"] = stats.mode if stats is not None else "none"
@@ -149,6 +144,10 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     errs["spilled_tokens"] = stats.spilled_tokens if stats is not None else 0
     errs["max_mean_after"] = stats.max_mean_after if stats is not None else 0.0
     errs["max_mean_before"] = stats.max_mean_before if stats is not None else 0.0
+    errs["weight_bytes"] = stats.weight_bytes if stats is not None else 0
+    rank_plan = llep.token_dispatcher.rank_plan if errs["mode"] == "llep" else None
+    errs["borrowed_here"] = len(rank_plan.weights_to_receive) if rank_plan is not None else 0
+    errs["num_local_experts"] = llep.num_local_experts
     return errs
 
 

@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -74,15 +75,20 @@ def moe_config(
 
 
 def build_moe_layer(
-    config: TransformerConfig, llep_config: Optional[LLEPConfig] = None, seed: int = 0, weight_scale: float = 0.2
+    config: TransformerConfig,
+    llep_config: Optional[LLEPConfig] = None,
+    seed: int = 0,
+    weight_scale: float = 0.2,
+    grouped_gemm: bool = False,
 ) -> MoELayer:
     """A Megatron MoELayer (plain EP) or LLEPMoELayer (routing can be forced with
     :func:`megatron_llep.scenarios.force_routing`).
 
     Weights are set from ``seed`` and each expert's *global* id, so every expert differs from every
-    other and both layer kinds built with the same seed hold identical weights.
+    other and both layer kinds built with the same seed hold identical weights. ``grouped_gemm``
+    selects Megatron's legacy GroupedMLP experts instead of SequentialMLP.
     """
-    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=grouped_gemm)
     if llep_config is None:
         layer = MoELayer(config, spec.submodules, layer_number=1)
     else:
@@ -97,7 +103,23 @@ def set_distinct_weights(layer: MoELayer, seed: int, scale: float = 0.2) -> None
     gen = torch.Generator().manual_seed(seed)
     for param in layer.router.parameters():
         param.copy_(torch.randn(param.shape, generator=gen) * scale)
-    for local, expert in enumerate(layer.experts.local_experts):
+    for local, tensors in enumerate(expert_weights(layer)):
         gen = torch.Generator().manual_seed(seed * 100003 + layer.local_expert_indices[local] + 1)
-        for param in expert.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+        for tensor in tensors.values():
+            tensor.copy_(torch.randn(tensor.shape, generator=gen) * scale)
+
+
+def expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Per native expert, its tensors in Megatron's per-expert layout (``fc1_weight [2H, D]``,
+    ``fc1_bias``, ``fc2_weight [D, H]``, ``fc2_bias``) as views of the layer's parameters (of
+    their ``.grad`` with ``grads=True``)."""
+    experts = layer.experts
+    pick = (lambda p: p.grad) if grads else (lambda p: p)
+    if isinstance(experts, GroupedMLP):  # weight1 [D, M*2H] and weight2 [M*H, D], viewed per expert
+        local, hidden = layer.num_local_experts, layer.config.hidden_size
+        w1 = pick(experts.weight1).view(local, hidden, -1)
+        w2 = pick(experts.weight2).view(local, -1, hidden)
+        return [{"fc1_weight": w1[i].t(), "fc2_weight": w2[i].t()} for i in range(local)]
+    names = {"linear_fc1.weight": "fc1_weight", "linear_fc1.bias": "fc1_bias",
+             "linear_fc2.weight": "fc2_weight", "linear_fc2.bias": "fc2_bias"}
+    return [{names[n]: pick(p) for n, p in e.named_parameters()} for e in experts.local_experts]
