@@ -14,7 +14,7 @@ from megatron_llep.config import LLEPConfig
 from megatron_llep.scenarios import force_routing, imbalanced_topk
 from megatron_llep.testing import grouped_gemm_cpu
 from megatron_llep.testing.moe import build_moe_layer, expert_weights, init_expert_parallel, moe_config
-from megatron_llep.testing.reference import dense_moe_reference
+from megatron_llep.testing.reference import dense_moe_reference, expert_forward_reference
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Case:
     alpha: float = 1.0
     expect_mode: str = "llep"
     grouped_gemm: bool = False  # Megatron's legacy GroupedMLP (bf16) instead of SequentialMLP
+    shared_expert: int = 0  # shared expert FFN width (0: none)
+    shared_overlap: bool = False  # moe_shared_expert_overlap: dispatcher drives the shared expert
 
 
 def _expert_ids(case: Case, rank: int, tokens: int) -> np.ndarray:
@@ -85,6 +87,7 @@ def _run_layer(layer, x, dy, ids):
         "dx": xi.grad.detach(),
         "router": layer.router.weight.grad.detach().clone(),
         "experts": [{k: g.detach().clone() for k, g in w.items()} for w in expert_weights(layer, grads=True)],
+        "shared": [p.grad.detach().clone() for p in layer.shared_experts.parameters()] if layer.shared_experts else [],
     }
 
 
@@ -93,8 +96,10 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     dtype = torch.bfloat16 if case.grouped_gemm else torch.float32
     if case.grouped_gemm:
         grouped_gemm_cpu.install()
+    shared = dict(moe_shared_expert_intermediate_size=case.shared_expert,
+                  moe_shared_expert_overlap=case.shared_overlap) if case.shared_expert else {}
     cfg = moe_config(case.num_experts, case.hidden, case.ffn, case.topk, world, gpt_oss_experts=case.gpt_oss,
-                     bias_activation_fusion=case.fused_bias_act, params_dtype=dtype)
+                     bias_activation_fusion=case.fused_bias_act, params_dtype=dtype, **shared)
     llep_cfg = LLEPConfig(min_chunk_tokens=case.min_chunk_tokens, imbalance_threshold=case.imbalance_threshold,
                           alpha=case.alpha, cost_aware=False)
     stock = build_moe_layer(cfg, None, seed=7, grouped_gemm=case.grouped_gemm)
@@ -114,6 +119,10 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     w64 = stock.router.weight.detach().double().requires_grad_()
     b64 = None if stock.router.bias is None else stock.router.bias.detach().double()
     y64 = dense_moe_reference(x64, w64, b64, torch.as_tensor(ids), experts, cfg)
+    if case.shared_expert:
+        fc1 = stock.shared_experts.linear_fc1.weight.detach().double()
+        fc2 = stock.shared_experts.linear_fc2.weight.detach().double()
+        y64 = y64 + expert_forward_reference(x64, fc1, None, fc2, None, torch.ones(tokens, dtype=torch.float64), cfg)
     (y64 * dy.view(tokens, -1).double()).sum().backward()
     errs = {
         "out_vs_stock": _rel_err(got["out"], ref_stock["out"]),
@@ -138,6 +147,7 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
             expert_stock = max(expert_stock, _rel_err(grad, ref_stock["experts"][local][k]))
             expert_ref = max(expert_ref, _rel_err(grad, ref_grads[g, k]))
     errs["experts_vs_stock"] = expert_stock
+    errs["shared_vs_stock"] = max([_rel_err(a, b) for a, b in zip(got["shared"], ref_stock["shared"])], default=0.0)
     errs["experts_vs_ref"] = expert_ref
     errs["mode"] = stats.mode if stats is not None else "none"
     errs["weight_transfers"] = stats.weight_transfers if stats is not None else 0

@@ -26,6 +26,8 @@ def cases(ep: int) -> list:
         Case("below_lambda_falls_back", "hot", hot_fraction=0.3, imbalance_threshold=10.0, expect_mode="fallback"),
         Case("alpha_1_5", "hot", alpha=1.5, expect_mode="llep" if ep == 4 else "plain"),
         Case("grouped_gemm_bf16", "hot", topk=2, num_hot=2, grouped_gemm=True),
+        Case("shared_expert", "hot", shared_expert=8),
+        Case("shared_expert_overlapped", "hot", shared_expert=8, shared_overlap=True),
     ]
 
 
@@ -51,7 +53,7 @@ def test_llep_equals_plain_ep(ep_results, name):
     for rank, results in enumerate(per_rank):
         r = results[name]
         assert r["mode"] == case.expect_mode, f"rank {rank}: plan mode {r['mode']}"
-        for key in ("out_vs_stock", "dx_vs_stock", "router_vs_stock", "experts_vs_stock"):
+        for key in ("out_vs_stock", "dx_vs_stock", "router_vs_stock", "experts_vs_stock", "shared_vs_stock"):
             assert r[key] <= tight, f"rank {rank}: {key} = {r[key]:.3g}"
         for key in ("out_vs_ref", "dx_vs_ref", "router_vs_ref", "experts_vs_ref"):
             assert r[key] <= loose, f"rank {rank}: {key} = {r[key]:.3g}"

@@ -99,9 +99,13 @@ def build_moe_layer(
 
 @torch.no_grad()
 def set_distinct_weights(layer: MoELayer, seed: int, scale: float = 0.2) -> None:
-    """Router weights from ``seed`` (identical on every rank); expert ``g``'s from ``(seed, g)``."""
+    """Router and shared-expert weights from ``seed`` (identical on every rank); routed expert
+    ``g``'s from ``(seed, g)``."""
     gen = torch.Generator().manual_seed(seed)
-    for param in layer.router.parameters():
+    replicated = list(layer.router.parameters())
+    if layer.shared_experts is not None:
+        replicated += list(layer.shared_experts.parameters())
+    for param in replicated:
         param.copy_(torch.randn(param.shape, generator=gen) * scale)
     for local, tensors in enumerate(expert_weights(layer)):
         gen = torch.Generator().manual_seed(seed * 100003 + layer.local_expert_indices[local] + 1)

@@ -1,0 +1,1 @@
+"""Model recipes (TransformerConfig builders) and the fine-tuning entry point."""

@@ -1,0 +1,22 @@
+"""The README keeps exactly two set-up commands, and CI runs the test one."""
+
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _setup_commands():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)\n```", section, flags=re.S)
+
+
+def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
+    commands = _setup_commands()
+    assert len(commands) == 2, commands
+    main_job, tests = commands
+    assert "torch.distributed.run --nproc_per_node 2" in main_job
+    assert "pytest" in tests
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert tests in ci
