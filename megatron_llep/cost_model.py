@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Sequence
 
 
@@ -38,7 +39,7 @@ class ExpertShape:
     def fc1_width(self) -> int:
         return self.ffn_hidden_size * (2 if self.gated else 1)
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         """Parameters of one expert (weights and, when present, biases)."""
         d, h, w1 = self.hidden_size, self.ffn_hidden_size, self.fc1_width
@@ -56,9 +57,13 @@ class ExpertShape:
         """Bytes of one token's hidden state (one direction of the all-to-all)."""
         return self.hidden_size * self.dtype_bytes
 
+    @cached_property
+    def _flops_per_token(self) -> float:
+        return 2.0 * (self.hidden_size * self.fc1_width + self.ffn_hidden_size * self.hidden_size)
+
     def forward_flops(self, tokens: int) -> float:
         """FLOPs of the expert forward on ``tokens`` tokens (2 per multiply-add)."""
-        return 2.0 * tokens * (self.hidden_size * self.fc1_width + self.ffn_hidden_size * self.hidden_size)
+        return tokens * self._flops_per_token
 
 
 @dataclass(frozen=True)
@@ -88,13 +93,18 @@ class CostModel:
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
 
+    def _gemm_coefficients(self, shape: ExpertShape) -> tuple[float, float]:
+        """``gemm_time(t) = a + b * t`` for ``t > 0``: ``flops(t) / (peak * t / (t + half))`` is
+        linear in ``t``."""
+        per_token = shape.forward_flops(1) * (3.0 if self.training else 1.0) / (self.gemm_tflops * 1e12)
+        return self.gemm_launch_s + per_token * self.gemm_half_efficiency_tokens, per_token
+
     def gemm_time(self, tokens: int, shape: ExpertShape) -> float:
         """Predicted time of one expert's forward (and backward when ``training``) on ``tokens``."""
         if tokens <= 0:
             return 0.0
-        efficiency = tokens / (tokens + self.gemm_half_efficiency_tokens)
-        flops = shape.forward_flops(tokens) * (3.0 if self.training else 1.0)
-        return self.gemm_launch_s + flops / (self.gemm_tflops * 1e12 * efficiency)
+        a, b = self._gemm_coefficients(shape)
+        return a + b * tokens
 
     def link_time(self, num_bytes: float, inter_node: bool) -> float:
         """Predicted time to move ``num_bytes`` over one link."""
@@ -103,17 +113,40 @@ class CostModel:
         gbps = self.inter_node_gbps if inter_node else self.intra_node_gbps
         return self.link_latency_s + num_bytes / (gbps * 1e9)
 
+    def _spill_bytes(self, moved_tokens: int, shape: ExpertShape, needs_weights: bool) -> float:
+        """Tokens there and back (twice when training: activations and their gradients), plus the
+        weights (and their gradients) when the helper does not hold them yet."""
+        direction = 2 if self.training else 1
+        weights = shape.weight_bytes * direction if needs_weights else 0
+        return 2 * moved_tokens * shape.token_bytes * direction + weights
+
     def spill_time(self, moved_tokens: int, shape: ExpertShape, inter_node: bool, needs_weights: bool) -> float:
-        """Communication added by a spill: tokens there and back, weights (and their gradients)."""
-        token_bytes = 2 * moved_tokens * shape.token_bytes * (2 if self.training else 1)
-        weight_bytes = shape.weight_bytes * (2 if self.training else 1) if needs_weights else 0
-        return self.link_time(token_bytes + weight_bytes, inter_node)
+        """Communication added by a spill."""
+        return self.link_time(self._spill_bytes(moved_tokens, shape, needs_weights), inter_node)
 
     def spill_pays(
         self, tokens: int, moved_tokens: int, shape: ExpertShape, inter_node: bool, needs_weights: bool
     ) -> bool:
         """True when the native rank saves more GEMM time than the spill costs in communication."""
         return self.spill_time(moved_tokens, shape, inter_node, needs_weights) < self.gemm_time(tokens, shape)
+
+    def spill_oracle(self, shape: ExpertShape):
+        """``spill_pays`` for one expert shape with its constants folded in: the planner asks it
+        once per candidate chunk, so it must cost well under a microsecond."""
+        gemm_a, gemm_b = self._gemm_coefficients(shape)
+        per_token = self._spill_bytes(1, shape, False)
+        weights = self._spill_bytes(0, shape, True)
+        inv_bw = (1.0 / (self.intra_node_gbps * 1e9), 1.0 / (self.inter_node_gbps * 1e9))
+        latency = self.link_latency_s
+
+        def pays(tokens: int, moved_tokens: int, inter_node: bool, needs_weights: bool) -> bool:
+            if tokens <= 0:
+                return False
+            num_bytes = moved_tokens * per_token + (weights if needs_weights else 0.0)
+            comm = latency + num_bytes * inv_bw[inter_node] if num_bytes > 0 else 0.0
+            return comm < gemm_a + gemm_b * tokens
+
+        return pays
 
     @classmethod
     def calibrate(

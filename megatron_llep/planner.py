@@ -24,6 +24,8 @@ Spilled tokens of an expert are first taken from the helper's own routed tokens 
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -142,8 +144,12 @@ class LLEPPlan:
 
     def moved_tokens(self) -> int:
         """Token-expert assignments that cross ranks (src != dst)."""
-        chunks = self.token_chunks()
-        return int(chunks[chunks[:, 1] != chunks[:, 2], 3].sum())
+        experts = np.arange(self.num_experts)
+        stay = self.counts[self.native_rank, experts]  # routed by the native rank itself
+        remote = self.counts.sum(axis=0) - stay
+        remote[self.spilled_experts] = 0
+        explicit = self.chunk_count[self.chunk_src != self.chunk_dst].sum()
+        return int(remote.sum() + explicit)
 
     def rank_view(self, rank: int) -> RankPlan:
         """The per-rank communication and compute layout of this plan."""
@@ -238,7 +244,7 @@ def plan_llep(
     if not splits:
         plain.fallback = False
         return plain
-    return _build_plan(counts, local, capacity, before, splits, config)
+    return _build_plan(counts, local, capacity, before, splits)
 
 
 def _node_of(ranks: np.ndarray, ranks_per_node: Optional[int]) -> np.ndarray:
@@ -255,79 +261,90 @@ def _least_loaded_assignment(
     config: LLEPConfig,
     shape: Optional[ExpertShape],
 ) -> dict[int, list[tuple[int, int]]]:
-    """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank."""
+    """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank.
+
+    Plain Python ints on purpose: the loop is short and numpy's per-call overhead would dominate.
+    """
     ep = counts.shape[0]
     m = config.min_chunk_tokens
-    ranks = np.arange(ep)
-    node = _node_of(ranks, config.ranks_per_node)
-    cost = config.cost_model if config.cost_aware else None
-    native_of = np.arange(loads.size) // local
-    assigned = np.zeros(ep, np.int64)
-    pending = loads.reshape(ep, local).sum(axis=1).astype(np.int64)
+    node = _node_of(np.arange(ep), config.ranks_per_node).tolist()
+    spill_pays = config.cost_model.spill_oracle(shape) if config.cost_aware else None
+    # effective[g]: tokens assigned to g so far plus its native experts' load not yet visited
+    effective = loads.reshape(ep, local).sum(axis=1).tolist()
     slack_limit = capacity + m
     splits: dict[int, list[tuple[int, int]]] = {}
     order = np.argsort(-loads, kind="stable")
+    rank_in_order = order // local
+    # A rank whose effective load never exceeds the capacity keeps every native expert whole, so
+    # only the experts of ranks that are (or become) overloaded are visited, in load order.
+    overloaded = [load > capacity for load in effective]
+    to_visit = np.flatnonzero(np.asarray(overloaded)[rank_in_order] & (loads[order] > 0)).tolist()
+    heapq.heapify(to_visit)
 
-    for e in order.tolist():
+    def now_overloaded(g: int, position: int) -> None:
+        overloaded[g] = True
+        later = np.flatnonzero((rank_in_order == g) & (loads[order] > 0))
+        for later_position in later[later > position].tolist():
+            heapq.heappush(to_visit, later_position)
+
+    while to_visit:
+        position = heapq.heappop(to_visit)
+        e = int(order[position])
         load = int(loads[e])
-        if load == 0:
-            break
-        n = int(native_of[e])
-        pending[n] -= load
-        effective_n = assigned[n] + pending[n]
-        keep = min(load, max(0, int(np.floor(capacity - effective_n))))
-        if keep == load or (load - keep < m and effective_n + load <= slack_limit):
-            assigned[n] += load
+        n = e // local
+        effective[n] -= load
+        keep = min(load, max(0, math.floor(capacity - effective[n])))
+        if keep == load or (load - keep < m and effective[n] + load <= slack_limit):
+            effective[n] += load
             continue
 
         parts: dict[int, int] = {}
         remaining = load
         if keep:
             parts[n] = keep
-            assigned[n] += keep
+            effective[n] += keep
             remaining -= keep
+        # Helpers in ascending effective load, native node first. A helper's load only grows when
+        # this expert fills it, so the order holds for the whole expert and one pass suffices.
+        native_node = node[n]
+        candidates = sorted(range(ep), key=lambda g: (node[g] != native_node, effective[g]))
+        candidates.remove(n)
+        cursor = 0
         while remaining > 0:
-            effective = assigned + pending
-            room = np.floor(capacity - effective).astype(np.int64)
-            room[n] = -1
             need = min(remaining, m) if m > 0 else 1
-            helper = _least_loaded_with_room(effective, room, need, node, node[n])
+            if need < m:
+                cursor = 0  # a smaller final piece may fit ranks skipped for lack of room
+            helper = None
+            while cursor < len(candidates):
+                g = candidates[cursor]
+                if capacity - effective[g] >= need:
+                    helper = g
+                    break
+                cursor += 1
             if helper is None:
                 # Nobody has room for a worthwhile chunk: the least-loaded rank takes up to cap + m
                 # (at least one token, so integer rounding cannot stall); past that, everything.
-                helper = int(np.argmin(effective))
+                helper = min(range(ep), key=effective.__getitem__)
                 slack = slack_limit - effective[helper]
-                take = min(remaining, max(int(np.ceil(slack)), 1)) if slack > 0 else remaining
+                take = min(remaining, max(math.ceil(slack), 1)) if slack > 0 else remaining
             else:
-                take = min(remaining, int(room[helper]))
-            if helper != n and cost is not None:
+                take = min(remaining, math.floor(capacity - effective[helper]))
+            if helper != n and spill_pays is not None:
                 moved = take - min(int(counts[helper, e]), take)
-                inter = bool(node[helper] != node[n])
-                if not cost.spill_pays(take, moved, shape, inter, needs_weights=helper not in parts):
+                if not spill_pays(take, moved, node[helper] != node[n], helper not in parts):
                     helper, take = n, remaining
             parts[helper] = parts.get(helper, 0) + take
-            assigned[helper] += take
+            effective[helper] += take
+            if effective[helper] > capacity and not overloaded[helper]:
+                now_overloaded(helper, position)
             remaining -= take
-            if 0 < remaining < m and assigned[n] + pending[n] + remaining <= slack_limit:
+            if 0 < remaining < m and effective[n] + remaining <= slack_limit:
                 parts[n] = parts.get(n, 0) + remaining
-                assigned[n] += remaining
+                effective[n] += remaining
                 remaining = 0
         if set(parts) != {n}:
             splits[e] = sorted(parts.items())
     return splits
-
-
-def _least_loaded_with_room(
-    effective: np.ndarray, room: np.ndarray, need: int, node: np.ndarray, native_node: int
-) -> Optional[int]:
-    """Least effective load among ranks with ``room >= need``, inside the native node first."""
-    fits = room >= need
-    if not fits.any():
-        return None
-    same_node = fits & (node == native_node)
-    pool = same_node if same_node.any() else fits
-    candidates = np.flatnonzero(pool)
-    return int(candidates[np.argmin(effective[candidates])])
 
 
 def _build_plan(
@@ -336,24 +353,16 @@ def _build_plan(
     capacity: float,
     before: np.ndarray,
     splits: dict[int, list[tuple[int, int]]],
-    config: LLEPConfig,
 ) -> LLEPPlan:
-    ep = counts.shape[0]
-    node = _node_of(np.arange(ep), config.ranks_per_node)
+    experts = sorted(splits)
+    rows = [(e, d, t) for e in experts for d, t in splits[e]]
+    split_expert, split_dst, split_tokens = (np.array(col, np.int64) for col in zip(*rows))
+    native = split_expert // local
     after = before.copy()
-    chunks: list[tuple[int, int, int, int]] = []
-    transfers: list[tuple[int, int, int]] = []
-    for e in sorted(splits):
-        n = e // local
-        parts = dict(splits[e])
-        after[n] -= int(counts[:, e].sum())
-        for dst, tokens in parts.items():
-            after[dst] += tokens
-            if dst != n:
-                transfers.append((e, n, dst))
-        chunks.extend(_transport(e, counts[:, e], parts, node))
-    chunk_arr = np.array(chunks, np.int64).reshape(-1, 4)
-    transfer_arr = np.array(transfers, np.int64).reshape(-1, 3)
+    np.subtract.at(after, np.array(experts) // local, counts[:, experts].sum(axis=0))
+    np.add.at(after, split_dst, split_tokens)
+    helpers = split_dst != native
+    chunks = _transport(counts, np.array(experts, np.int64), split_expert, split_dst, split_tokens)
     return LLEPPlan(
         counts=counts,
         num_local_experts=local,
@@ -361,44 +370,53 @@ def _build_plan(
         rank_loads_before=before,
         rank_loads_after=after,
         fallback=False,
-        spilled_experts=np.array(sorted(splits), np.int64),
-        chunk_expert=chunk_arr[:, 0],
-        chunk_src=chunk_arr[:, 1],
-        chunk_dst=chunk_arr[:, 2],
-        chunk_count=chunk_arr[:, 3],
-        transfer_expert=transfer_arr[:, 0],
-        transfer_native=transfer_arr[:, 1],
-        transfer_helper=transfer_arr[:, 2],
+        spilled_experts=np.array(experts, np.int64),
+        chunk_expert=chunks[0],
+        chunk_src=chunks[1],
+        chunk_dst=chunks[2],
+        chunk_count=chunks[3],
+        transfer_expert=split_expert[helpers],
+        transfer_native=native[helpers],
+        transfer_helper=split_dst[helpers],
     )
 
 
 def _transport(
-    expert: int, supply: np.ndarray, demand: dict[int, int], node: np.ndarray
-) -> list[tuple[int, int, int, int]]:
-    """Decide which source sends how many of ``expert``'s tokens to each destination.
+    counts: np.ndarray, experts: np.ndarray, split_expert: np.ndarray, split_dst: np.ndarray, split_tokens: np.ndarray
+) -> np.ndarray:
+    """Decide which source sends how many tokens of each spilled expert to each destination.
 
-    Each destination first takes its own routed tokens, then same-node sources, then the rest, in
-    ascending rank order — deterministic and traffic-minimising for a fixed assignment.
+    ``split_*`` list, expert by expert with destinations ascending, how many tokens each
+    destination computes. Returns ``[4, chunks]`` rows (expert, src, dst, count). Each destination
+    first takes its own routed tokens; the rest of every expert's supply is matched to the rest of
+    its demand in rank order (north-west corner) — all experts at once, since the running sums of
+    supply and demand meet at every expert boundary. Ranks are numbered node by node, so this keeps
+    traffic inside nodes where it can.
     """
-    supply = supply.astype(np.int64).copy()
-    need = dict(demand)
-    moves: list[tuple[int, int, int, int]] = []
-    for dst in sorted(need):
-        own = min(int(supply[dst]), need[dst])
-        if own:
-            moves.append((expert, dst, dst, own))
-            supply[dst] -= own
-            need[dst] -= own
-    for dst in sorted(need):
-        if need[dst] == 0:
-            continue
-        sources = np.flatnonzero(supply)
-        sources = np.concatenate([sources[node[sources] == node[dst]], sources[node[sources] != node[dst]]])
-        for src in sources.tolist():
-            take = min(int(supply[src]), need[dst])
-            moves.append((expert, src, dst, take))
-            supply[src] -= take
-            need[dst] -= take
-            if need[dst] == 0:
-                break
-    return moves
+    row_of = {int(e): i for i, e in enumerate(experts.tolist())}
+    slot = np.array([row_of[e] for e in split_expert.tolist()], np.int64)
+    supply = counts[:, experts].T.copy()  # [spilled experts, src]
+    own = np.minimum(supply[slot, split_dst], split_tokens)
+    supply[slot, split_dst] -= own
+    need = split_tokens - own
+    src_slot, src_rank = np.nonzero(supply)
+    parts = [np.stack([split_expert, split_dst, split_dst, own])[:, own > 0]]
+    if src_slot.size:
+        supply_end = np.cumsum(supply[src_slot, src_rank])
+        open_rows = need > 0
+        demand_end = np.cumsum(need[open_rows])
+        ends = np.union1d(supply_end, demand_end)
+        starts = np.concatenate([[0], ends[:-1]])
+        from_supply = np.searchsorted(supply_end, starts, side="right")
+        from_demand = np.searchsorted(demand_end, starts, side="right")
+        parts.append(
+            np.stack(
+                [
+                    experts[src_slot[from_supply]],
+                    src_rank[from_supply],
+                    split_dst[open_rows][from_demand],
+                    ends - starts,
+                ]
+            )
+        )
+    return np.concatenate(parts, axis=1)

@@ -83,3 +83,14 @@ def test_calibration_recovers_a_known_model():
         assert fitted.gemm_time(tokens, GPT_OSS_120B) == pytest.approx(seconds, rel=0.15)
     with pytest.raises(ValueError):
         CostModel.calibrate([], GPT_OSS_120B, link_samples=[(1e6, 1e-3), (1e6, 2e-3)])
+
+
+def test_spill_oracle_agrees_with_spill_pays():
+    for model in (CostModel(), CostModel(training=True, inter_node_gbps=10.0)):
+        oracle = model.spill_oracle(GPT_OSS_120B)
+        for tokens in (0, 1, 100, 1000, 5000, 50000):
+            for moved in (0, tokens // 2, tokens):
+                for inter in (False, True):
+                    for weights in (False, True):
+                        expected = model.spill_pays(tokens, moved, GPT_OSS_120B, inter, weights) if tokens else False
+                        assert oracle(tokens, moved, inter, weights) == expected

@@ -234,3 +234,11 @@ def test_chunk_gather_index_matches_naive_concatenation():
     np.testing.assert_array_equal(chunk_gather_index(sizes, order), naive)
     with pytest.raises(ValueError):
         chunk_gather_index(np.array([1, 2]), np.array([1]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(count_matrices(), configs)
+def test_moved_tokens_counts_cross_rank_chunks(counts, config):
+    plan = plan_llep(counts, config)
+    chunks = plan.token_chunks()
+    assert plan.moved_tokens() == int(chunks[chunks[:, 1] != chunks[:, 2], 3].sum())
