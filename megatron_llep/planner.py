@@ -17,13 +17,15 @@ The algorithm (SPEC section 1, step 3):
     native rank within ``cap + m``;
   * when no rank has room the remainder goes to the least-loaded rank anyway, up to ``cap + m``
     while possible (never drop a token): with ``alpha >= 1`` no rank ends above ``ceil(cap) + m``;
-  * with a cost model, a spill happens only if the predicted transfer time is below the GEMM time
-    it saves the native rank.
+  * with a cost model, a spill happens only if the predicted transfer time (the weight copy plus
+    any token that would not have crossed ranks under plain EP) is below the GEMM time it saves
+    the native rank.
 Spilled tokens of an expert are first taken from the helper's own routed tokens (no traffic).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -253,6 +255,17 @@ def _node_of(ranks: np.ndarray, ranks_per_node: Optional[int]) -> np.ndarray:
     return ranks // ranks_per_node
 
 
+@functools.lru_cache(maxsize=16)
+def _topology(ep: int, ranks_per_node: Optional[int]) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """Node of every rank and, per rank, the other ranks of its node and the ranks of other nodes."""
+    node = _node_of(np.arange(ep), ranks_per_node).tolist()
+    peers = [
+        ([g for g in range(ep) if node[g] == node[r] and g != r], [g for g in range(ep) if node[g] != node[r]])
+        for r in range(ep)
+    ]
+    return node, peers
+
+
 def _least_loaded_assignment(
     counts: np.ndarray,
     loads: np.ndarray,
@@ -267,7 +280,7 @@ def _least_loaded_assignment(
     """
     ep = counts.shape[0]
     m = config.min_chunk_tokens
-    node = _node_of(np.arange(ep), config.ranks_per_node).tolist()
+    node, peers = _topology(ep, config.ranks_per_node)
     spill_pays = config.cost_model.spill_oracle(shape) if config.cost_aware else None
     # effective[g]: tokens assigned to g so far plus its native experts' load not yet visited
     effective = loads.reshape(ep, local).sum(axis=1).tolist()
@@ -300,15 +313,16 @@ def _least_loaded_assignment(
 
         parts: dict[int, int] = {}
         remaining = load
+        third_party = load - int(counts[n, e])
         if keep:
             parts[n] = keep
             effective[n] += keep
             remaining -= keep
         # Helpers in ascending effective load, native node first. A helper's load only grows when
         # this expert fills it, so the order holds for the whole expert and one pass suffices.
-        native_node = node[n]
-        candidates = sorted(range(ep), key=lambda g: (node[g] != native_node, effective[g]))
-        candidates.remove(n)
+        same, other = peers[n]
+        candidates = sorted(same, key=effective.__getitem__) + sorted(other, key=effective.__getitem__)
+        column = counts[:, e].tolist()
         cursor = 0
         while remaining > 0:
             need = min(remaining, m) if m > 0 else 1
@@ -330,9 +344,14 @@ def _least_loaded_assignment(
             else:
                 take = min(remaining, math.floor(capacity - effective[helper]))
             if helper != n and spill_pays is not None:
-                moved = take - min(int(counts[helper, e]), take)
-                if not spill_pays(take, moved, node[helper] != node[n], helper not in parts):
+                # Tokens from third ranks travel under plain EP too; only the native rank's own
+                # tokens (used once the helper's own and third-party ones run out) are new traffic.
+                own = min(column[helper], take)
+                from_third = min(third_party, take - own)
+                if not spill_pays(take, take - own - from_third, node[helper] != node[n], helper not in parts):
                     helper, take = n, remaining
+                else:
+                    third_party -= from_third
             parts[helper] = parts.get(helper, 0) + take
             effective[helper] += take
             if effective[helper] > capacity and not overloaded[helper]:
@@ -405,7 +424,9 @@ def _transport(
         supply_end = np.cumsum(supply[src_slot, src_rank])
         open_rows = need > 0
         demand_end = np.cumsum(need[open_rows])
-        ends = np.union1d(supply_end, demand_end)
+        ends = np.concatenate([supply_end, demand_end])
+        ends.sort()
+        ends = ends[np.concatenate([[True], ends[1:] != ends[:-1]])]  # both sums increase strictly
         starts = np.concatenate([[0], ends[:-1]])
         from_supply = np.searchsorted(supply_end, starts, side="right")
         from_demand = np.searchsorted(demand_end, starts, side="right")

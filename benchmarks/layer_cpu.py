@@ -1,0 +1,257 @@
+"""Real multi-process MoE layer benchmark on CPU: Megatron's stock alltoall dispatcher (plain EP) and
+LLEP side by side in the same gloo run, P = 2, SPEC shapes scaled to fit two cores.
+
+    python benchmarks/layer_cpu.py [--quick] [--out results/layer_cpu.json]
+
+Per layer shape and scenario it reports the forward wall-clock time of both (median over repeats,
+slowest rank), the EP/LLEP ratio, LLEP against the force-balanced ideal (plain EP on balanced
+routing), forward+backward time, and per-rank peak memory of a forward+backward step.
+
+Peak memory: the rise of the process's peak resident set (Linux ``VmHWM``, reset through
+``/proc/self/clear_refs``) above its resident set just before the step. glibc's mmap threshold is
+pinned to 64 KiB for the ranks, so every tensor buffer is its own mapping and returns to the OS when
+freed: the high-water mark then follows the live tensor bytes.
+
+The LLEP cost model is calibrated on this machine first (expert GEMM timings, gloo send/recv
+bandwidth between the two ranks), so cost-aware spilling judges CPU, not H200, numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from common import BALANCED, DEEPSEEK_V3, GPT_OSS_120B, KIMI_K2, SCENARIOS, LayerShape, Scenario, print_table, write_results
+
+EP_SIZE = 2
+# N scaled so that each rank keeps the paper's 8-GPU experts per rank; widths / 8; tokens / 16.
+CPU_SHAPES = (
+    GPT_OSS_120B.scaled(experts=128 // 8 * EP_SIZE, width_divisor=8, token_divisor=16),
+    DEEPSEEK_V3.scaled(experts=256 // 8 * EP_SIZE, width_divisor=8, token_divisor=16),
+    KIMI_K2.scaled(experts=384 // 8 * EP_SIZE, width_divisor=8, token_divisor=16),
+)
+MIN_CHUNK = 64  # the paper's m = 1024 at 32K tokens/GPU, scaled with the tokens
+
+
+@dataclass(frozen=True)
+class Point:
+    shape: LayerShape
+    scenario: Scenario
+    alpha: float = 1.0
+    imbalance_threshold: float = 1.3
+    min_chunk_tokens: int = MIN_CHUNK
+    ablation: str = ""
+    value: str = ""
+    memory: bool = True
+
+
+def _rss(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _peak_rss_rise(fn) -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _rss("VmRSS")
+    fn()
+    return _rss("VmHWM") - base
+
+
+def _calibrate(shape: LayerShape, rank: int):
+    """A CostModel fitted to this CPU: one expert's forward at a few sizes, gloo P2P bandwidth."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_llep.cost_model import CostModel, ExpertShape
+
+    es = ExpertShape(shape.hidden, shape.ffn, gated=True, bias=shape.bias, dtype_bytes=4)
+    w1 = torch.randn(2 * shape.ffn, shape.hidden)
+    w2 = torch.randn(shape.hidden, shape.ffn)
+    samples = []
+    for tokens in (16, 64, 256, 1024):
+        x = torch.randn(tokens, shape.hidden)
+        start = time.perf_counter()
+        for _ in range(3):
+            h = x @ w1.t()
+            (torch.nn.functional.silu(h[:, : shape.ffn]) * h[:, shape.ffn :]) @ w2.t()
+        samples.append((tokens, (time.perf_counter() - start) / 3))
+    links = []
+    for num_bytes in (1 << 18, 1 << 21, 1 << 23):
+        buf = torch.empty(num_bytes // 4)
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+        else:
+            dist.recv(buf, 0)
+        links.append((num_bytes, time.perf_counter() - start))
+    model = CostModel.calibrate(samples, es, link_samples=links, base=CostModel(inter_node_gbps=1.0))
+    # every rank must plan identically: use rank 0's fit everywhere
+    params = torch.tensor([model.gemm_tflops, model.gemm_half_efficiency_tokens, model.gemm_launch_s,
+                           model.intra_node_gbps, model.link_latency_s], dtype=torch.float64)
+    dist.broadcast(params, 0)
+    p = params.tolist()
+    return replace(model, gemm_tflops=p[0], gemm_half_efficiency_tokens=p[1], gemm_launch_s=p[2],
+                   intra_node_gbps=p[3], link_latency_s=p[4])
+
+
+def _layer_pair(shape: LayerShape, point: Point, cost_model):
+    import torch
+
+    from megatron_llep.config import LLEPConfig
+    from megatron_llep.testing.moe import build_moe_layer, moe_config
+
+    cfg = moe_config(shape.num_experts, shape.hidden, shape.ffn, shape.topk, EP_SIZE, gpt_oss_experts=shape.bias)
+    llep_cfg = LLEPConfig(alpha=point.alpha, min_chunk_tokens=point.min_chunk_tokens,
+                          imbalance_threshold=point.imbalance_threshold, cost_model=cost_model)
+    torch.manual_seed(0)
+    return build_moe_layer(cfg, None, seed=3, weight_scale=0.05), build_moe_layer(cfg, llep_cfg, seed=3, weight_scale=0.05)
+
+
+def _timed(fn, group_max) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return group_max(time.perf_counter() - start)
+
+
+def run_points(rank: int, world: int, points: list, repeats: int) -> list[dict]:
+    """Rank-side benchmark loop (spawned by :func:`megatron_llep.testing.distributed.run_distributed`)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.testing.moe import init_expert_parallel
+
+    init_expert_parallel(world)
+
+    def group_max(value: float) -> float:
+        t = torch.tensor([value])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    rows = []
+    calibrated = {}
+    pairs = {}
+    for point in points:
+        shape = point.shape
+        if shape not in calibrated:
+            calibrated[shape] = _calibrate(shape, rank)
+        key = (shape, point.alpha, point.imbalance_threshold, point.min_chunk_tokens)
+        if key not in pairs:
+            pairs.clear()  # keep at most one pair of layers alive
+            pairs[key] = _layer_pair(shape, point, calibrated[shape])
+        stock, llep = pairs[key]
+        tokens = shape.tokens_per_gpu
+        ids = imbalanced_topk(tokens, shape.num_experts, shape.topk, point.scenario.hot_fraction,
+                              point.scenario.num_hot, seed=17 + rank)
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(tokens, 1, shape.hidden, generator=gen)
+        for layer in (stock, llep):
+            force_routing(layer.router, ids)
+
+        def forward(layer):
+            with torch.no_grad():
+                layer(x)
+
+        def step(layer):
+            xi = x.clone().requires_grad_()
+            out, _ = layer(xi)
+            out.sum().backward()
+
+        forward(stock), forward(llep)  # warm-up
+        times = {"ep": [], "llep": []}
+        for _ in range(repeats):
+            times["ep"].append(_timed(lambda: forward(stock), group_max))
+            times["llep"].append(_timed(lambda: forward(llep), group_max))
+        stats = llep.token_dispatcher.last_stats
+        row = {
+            "model": shape.name, "scenario": point.scenario.label, "ablation": point.ablation, "value": point.value,
+            "tokens_per_rank": tokens, "experts": shape.num_experts, "hidden": shape.hidden, "ffn": shape.ffn,
+            "ep_ms": statistics.median(times["ep"]) * 1e3, "llep_ms": statistics.median(times["llep"]) * 1e3,
+            "mode": stats.mode, "max_mean_before": stats.max_mean_before, "max_mean_after": stats.max_mean_after,
+            "spilled_tokens": stats.spilled_tokens, "weight_mb": stats.weight_bytes / 1e6,
+            "moved_tokens": stats.moved_tokens, "plan_ms": stats.plan_time_s * 1e3,
+        }
+        if point.memory:
+            for name, layer in (("ep", stock), ("llep", llep)):
+                layer.zero_grad(set_to_none=True)
+                mem = _peak_rss_rise(lambda: step(layer))
+                mem_all = torch.tensor([float(mem)])
+                dist.all_reduce(mem_all, op=dist.ReduceOp.MAX)
+                row[f"{name}_peak_mb"] = float(mem_all) / 1e6
+                row[f"{name}_fwd_bwd_ms"] = _timed(lambda: step(layer), group_max) * 1e3
+        rows.append(row)
+        if rank == 0:
+            print(f"  {shape.name:16s} {point.scenario.label:9s} {point.ablation}={point.value} "
+                  f"EP {row['ep_ms']:.1f} ms  LLEP {row['llep_ms']:.1f} ms  ({row['mode']})", flush=True)
+    return rows
+
+
+def grid(quick: bool) -> list[Point]:
+    shapes = CPU_SHAPES[:1] if quick else CPU_SHAPES
+    scenarios = (BALANCED, Scenario(0.95, 1), Scenario(0.95, 16)) if quick else SCENARIOS
+    points = [Point(s, sc) for s in shapes for sc in scenarios]
+    if quick:
+        return points
+    base, hot = CPU_SHAPES[0], Scenario(0.95, 1)
+    ablate = []
+    for tokens in (512, 1024, 4096):
+        ablate.append(Point(replace(base, tokens_per_gpu=tokens), hot, ablation="tokens", value=str(tokens), memory=False))
+    for alpha in (1.1, 1.25, 1.5):
+        ablate.append(Point(base, hot, alpha=alpha, ablation="alpha", value=str(alpha), memory=False))
+    for lam in (1.0, 1.6, 2.5):
+        ablate.append(Point(base, Scenario(0.5, 1), imbalance_threshold=lam, ablation="lambda", value=str(lam), memory=False))
+    for m in (0, 256, 1024):
+        ablate.append(Point(base, hot, min_chunk_tokens=m, ablation="m", value=str(m), memory=False))
+    for hidden, ffn in ((720, 180), (180, 720)):
+        ablate.append(Point(replace(base, hidden=hidden, ffn=ffn), hot, ablation="D/H", value=f"{hidden}/{ffn}", memory=False))
+    for experts in (8, 64):
+        ablate.append(Point(replace(base, num_experts=experts), hot, ablation="N", value=str(experts), memory=False))
+    return points + ablate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one shape, three scenarios, no ablations")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="results/layer_cpu.json")
+    args = parser.parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks (see module doc)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megatron_llep.testing.distributed import run_distributed
+
+    points = grid(args.quick)
+    print(f"{len(points)} points on {EP_SIZE} gloo ranks, {args.repeats} repeats each")
+    rows = run_distributed(run_points, EP_SIZE, points, args.repeats, timeout_s=3600)[0]
+    ideal = {r["model"]: r["ep_ms"] for r in rows if r["scenario"] == "balanced" and not r["ablation"]}
+    for r in rows:
+        r["speedup"] = r["ep_ms"] / r["llep_ms"]
+        r["llep_vs_ideal"] = r["llep_ms"] / ideal[r["model"]] if r["model"] in ideal and not r["ablation"] else None
+    columns = [
+        ("model", "model", ""), ("scenario", "scenario", ""), ("ablation", "ablation", ""), ("value", "value", ""),
+        ("mode", "plan", ""), ("max_mean_before", "EP max/mean", ".2f"), ("max_mean_after", "LLEP max/mean", ".2f"),
+        ("ep_ms", "EP fwd ms", ".1f"), ("llep_ms", "LLEP fwd ms", ".1f"), ("speedup", "EP/LLEP", ".2f"),
+        ("llep_vs_ideal", "LLEP/ideal", ".2f"), ("ep_fwd_bwd_ms", "EP f+b ms", ".1f"), ("llep_fwd_bwd_ms", "LLEP f+b ms", ".1f"),
+        ("ep_peak_mb", "EP peak MB", ".1f"), ("llep_peak_mb", "LLEP peak MB", ".1f"), ("weight_mb", "weights MB", ".1f"),
+        ("plan_ms", "plan ms", ".2f"),
+    ]
+    print_table(rows, columns)
+    write_results(args.out, "layer_cpu", rows, {"ep_size": EP_SIZE, "repeats": args.repeats, "quick": args.quick,
+                                                 "min_chunk_tokens": MIN_CHUNK, "shapes": CPU_SHAPES})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Plan-level model of the SPEC layer experiment at full shapes, P = 8..64 (no GPU needed).
+
+For every layer shape (gpt-oss-120b, DeepSeek-V3, Kimi-K2), EP size and scenario it samples the
+routed-token counts, plans plain EP and LLEP, and reports max/mean rank load, token and weight
+bytes moved, the layer time the cost model predicts, the force-balanced ideal, a peak-memory model
+and the planner's own time per call.
+
+    python benchmarks/plan_model.py [--ep 8 16 32 64] [--out results/plan_model.json]
+
+Time model (documented in docs/benchmarks.md): a layer is dispatch all-to-all, expert GEMMs, combine
+all-to-all. A rank's link time is latency + max(bytes out, bytes in) / bandwidth, intra-node and
+inter-node links in parallel (8 ranks per node); GEMM time is the cost model's per-expert
+roofline with a small-GEMM ramp; the layer takes the slowest rank in every phase. The ideal is the
+same layer with balanced routing (every expert gets the mean load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from common import FULL_SHAPES, PAPER_SPEEDUP, SCENARIOS, LayerShape, Scenario, print_table, sample_counts, write_results
+
+from megatron_llep.config import LLEPConfig
+from megatron_llep.cost_model import CostModel, ExpertShape
+from megatron_llep.planner import LLEPPlan, plan_llep
+
+RANKS_PER_NODE = 8
+
+
+def expert_shape(shape: LayerShape) -> ExpertShape:
+    return ExpertShape(shape.hidden, shape.ffn, gated=True, bias=shape.bias, dtype_bytes=2)
+
+
+def _phase_time(out_bytes: np.ndarray, in_bytes: np.ndarray, model: CostModel, inter: bool) -> float:
+    return max(model.link_time(float(max(o, i)), inter) for o, i in zip(out_bytes, in_bytes))
+
+
+def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel) -> dict:
+    """Predicted phase times, traffic and per-rank activation memory of one plan."""
+    ep = plan.ep_size
+    es = expert_shape(shape)
+    node = np.arange(ep) // RANKS_PER_NODE
+    chunks = plan.token_chunks()
+    src, dst, count = chunks[:, 1], chunks[:, 2], chunks[:, 3]
+    remote = src != dst
+    crossing = node[src] != node[dst]
+    token_out = {inter: np.bincount(src[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * es.token_bytes for inter in (False, True)}
+    token_in = {inter: np.bincount(dst[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * es.token_bytes for inter in (False, True)}
+    w_cross = node[plan.transfer_native] != node[plan.transfer_helper]
+    weight_out = {inter: np.bincount(plan.transfer_native[w_cross == inter], minlength=ep) * es.weight_bytes for inter in (False, True)}
+    weight_in = {inter: np.bincount(plan.transfer_helper[w_cross == inter], minlength=ep) * es.weight_bytes for inter in (False, True)}
+    dispatch = max(_phase_time(token_out[i] + weight_out[i], token_in[i] + weight_in[i], model, i) for i in (False, True))
+    combine = max(_phase_time(token_in[i], token_out[i], model, i) for i in (False, True))
+
+    compute = np.zeros(ep)
+    per_slot = np.zeros((plan.num_experts, ep), np.int64)
+    np.add.at(per_slot, (chunks[:, 0], dst), count)
+    for e, d in zip(*np.nonzero(per_slot)):
+        compute[d] += model.gemm_time(int(per_slot[e, d]), es)
+    # Activation memory kept for backward per computed token-expert pair: expert input (D), fc1
+    # output (2H), activation (H), expert output (D); plus borrowed weights.
+    act_bytes = (2 * shape.hidden + 3 * shape.ffn) * es.dtype_bytes
+    tokens_here = per_slot.sum(axis=0)
+    memory = tokens_here * act_bytes + np.bincount(plan.transfer_helper, minlength=ep) * es.weight_bytes
+    return {
+        "dispatch_s": dispatch,
+        "compute_s": float(compute.max()),
+        "combine_s": combine,
+        "layer_s": dispatch + float(compute.max()) + combine,
+        "token_bytes": int(count[remote].sum()) * es.token_bytes * 2,
+        "weight_bytes": plan.num_weight_transfers * es.weight_bytes,
+        "peak_act_bytes": int(memory.max()),
+        "max_mean": float(tokens_here.max() / tokens_here.mean()),
+    }
+
+
+def balanced_counts(shape: LayerShape, ep: int) -> np.ndarray:
+    """Every rank routes tokens x K assignments evenly over the experts (the force-balanced ideal)."""
+    per = shape.tokens_per_gpu * shape.topk // shape.num_experts
+    return np.full((ep, shape.num_experts), per, np.int64)
+
+
+def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeats: int) -> float:
+    plan_llep(counts, config, es)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan_llep(counts, config, es)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def run(eps: list[int], scenarios: tuple[Scenario, ...], seed: int, repeats: int, config: LLEPConfig, model: CostModel) -> list[dict]:
+    rows = []
+    for shape in FULL_SHAPES:
+        es = expert_shape(shape)
+        for ep in eps:
+            if shape.num_experts % ep:
+                continue
+            ep_config = LLEPConfig(alpha=config.alpha, min_chunk_tokens=config.min_chunk_tokens,
+                                   imbalance_threshold=config.imbalance_threshold,
+                                   ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
+            ideal = predict(plan_llep(balanced_counts(shape, ep), ep_config, es), shape, model)
+            for scenario in scenarios:
+                counts = sample_counts(shape, ep, scenario, seed)
+                plain = plan_llep(counts, LLEPConfig(imbalance_threshold=1e9, cost_aware=False))
+                llep = plan_llep(counts, ep_config, es)
+                p_ep, p_llep = predict(plain, shape, model), predict(llep, shape, model)
+                rows.append({
+                    "model": shape.name, "ep": ep, "scenario": scenario.label,
+                    "ep_max_mean": p_ep["max_mean"], "llep_max_mean": p_llep["max_mean"],
+                    "ep_ms": p_ep["layer_s"] * 1e3, "llep_ms": p_llep["layer_s"] * 1e3, "ideal_ms": ideal["layer_s"] * 1e3,
+                    "speedup": p_ep["layer_s"] / p_llep["layer_s"], "llep_vs_ideal": p_llep["layer_s"] / ideal["layer_s"],
+                    "ep_token_gb": p_ep["token_bytes"] / 1e9, "llep_token_gb": p_llep["token_bytes"] / 1e9,
+                    "weight_gb": p_llep["weight_bytes"] / 1e9, "weight_copies": llep.num_weight_transfers,
+                    "ep_mem_vs_ideal": p_ep["peak_act_bytes"] / ideal["peak_act_bytes"],
+                    "llep_mem_vs_ideal": p_llep["peak_act_bytes"] / ideal["peak_act_bytes"],
+                    "mode": "llep" if not llep.is_plain_ep else ("fallback" if llep.fallback else "plain"),
+                    "plan_ms": time_planner(counts, ep_config, es, repeats) * 1e3,
+                    "paper_speedup": PAPER_SPEEDUP.get(shape.name, {}).get(scenario.label) if ep == 8 else None,
+                })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--planner-repeats", type=int, default=20)
+    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument("--min-chunk-tokens", type=int, default=1024)
+    parser.add_argument("--imbalance-threshold", type=float, default=1.3)
+    parser.add_argument("--out", default="results/plan_model.json")
+    args = parser.parse_args()
+    config = LLEPConfig(alpha=args.alpha, min_chunk_tokens=args.min_chunk_tokens, imbalance_threshold=args.imbalance_threshold)
+    model = CostModel()
+    rows = run(args.ep, SCENARIOS, args.seed, args.planner_repeats, config, model)
+    print_table(rows, [
+        ("model", "model", ""), ("ep", "P", "d"), ("scenario", "scenario", ""), ("mode", "plan", ""),
+        ("ep_max_mean", "EP max/mean", ".2f"), ("llep_max_mean", "LLEP max/mean", ".2f"),
+        ("ep_ms", "EP ms", ".2f"), ("llep_ms", "LLEP ms", ".2f"), ("ideal_ms", "ideal ms", ".2f"),
+        ("speedup", "speedup", ".2f"), ("llep_vs_ideal", "LLEP/ideal", ".3f"),
+        ("ep_token_gb", "EP tok GB", ".2f"), ("llep_token_gb", "LLEP tok GB", ".2f"), ("weight_gb", "weights GB", ".2f"),
+        ("ep_mem_vs_ideal", "EP mem", ".2f"), ("llep_mem_vs_ideal", "LLEP mem", ".2f"), ("plan_ms", "plan ms", ".3f"),
+    ])
+    write_results(args.out, "plan_model", rows, {**vars(args), "cost_model": model, "ranks_per_node": RANKS_PER_NODE})
+
+
+if __name__ == "__main__":
+    main()
