@@ -34,6 +34,10 @@ from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
 from megatron_llep.weight_exchange import ExpertWeightExchange
 
 
+# torch 2.13 renamed all_gather_into_tensor (same signature); keep older torch working
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _PermuteRows(torch.autograd.Function):
     """``x[index]`` for a row permutation; the backward is the inverse gather (exact, deterministic)."""
 
@@ -136,7 +140,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         device = routing_map.device
         local_counts = routing_map.sum(dim=0).long()
         gathered = torch.empty(self.ep_size * self.num_experts, dtype=torch.long, device=device)
-        dist.all_gather_into_tensor(gathered, local_counts, group=self.ep_group)
+        _all_gather_single(gathered, local_counts, group=self.ep_group)
         counts = gathered.view(self.ep_size, self.num_experts).cpu().numpy()
 
         start = time.perf_counter()
@@ -188,6 +192,12 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
         tokens = self._send_perm.apply(permutated_local_input_tokens)
         probs = self._send_perm.apply(permuted_probs)
+        if not self.config.moe_permute_fusion:
+            # Megatron's unfused unpermute scatters rows by these indices, so composing them with
+            # the send order lets combine scatter straight from the a2a output (one copy fewer).
+            self.reversed_local_input_permutation_mapping = self.reversed_local_input_permutation_mapping.index_select(
+                0, self._send_perm.forward
+            )
         if self._exchange is not None:
             self._exchange.start()
         global_tokens = all_to_all(self.ep_group, tokens, self._output_split_list, self._input_split_list)
@@ -215,4 +225,6 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if not self._llep_active:
             return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
         tokens = all_to_all(self.ep_group, hidden_states, self._input_split_list, self._output_split_list)
+        if not self.config.moe_permute_fusion:
+            return tokens  # unpermute uses the composed indices set in token_dispatch
         return self._send_perm.undo(tokens)

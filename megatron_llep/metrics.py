@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -58,17 +59,25 @@ class LLEPStepStats:
 
 
 class LLEPStatsTracker:
-    """Collects :class:`LLEPStepStats` by layer; ``drain()`` returns and clears them."""
+    """Collects :class:`LLEPStepStats` by layer; ``drain()`` returns and clears them.
 
-    def __init__(self) -> None:
-        self._steps: dict[Optional[int], list[LLEPStepStats]] = {}
+    Bounded: only the newest ``max_steps`` entries per layer are kept, so a run without a logger
+    that drains it does not grow without limit.
+    """
+
+    def __init__(self, max_steps: int = 256) -> None:
+        self.max_steps = max_steps
+        self._steps: dict[Optional[int], deque[LLEPStepStats]] = {}
 
     def record(self, stats: LLEPStepStats) -> None:
-        self._steps.setdefault(stats.layer_number, []).append(stats)
+        steps = self._steps.get(stats.layer_number)
+        if steps is None:
+            steps = self._steps[stats.layer_number] = deque(maxlen=self.max_steps)
+        steps.append(stats)
 
     def drain(self) -> dict[Optional[int], list[LLEPStepStats]]:
         steps, self._steps = self._steps, {}
-        return steps
+        return {layer: list(entries) for layer, entries in steps.items()}
 
     def summary(self) -> dict[str, float]:
         """Mean of every scalar over all recorded steps and layers (without clearing)."""

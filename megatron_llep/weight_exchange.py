@@ -51,11 +51,6 @@ class ExpertWeightExchange:
     def active(self) -> bool:
         return bool(self.sends or self.receives)
 
-    @property
-    def bytes_sent(self) -> int:
-        per_expert = sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for shape, dtype in self.specs)
-        return per_expert * len(self.sends)
-
     def _peer(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
