@@ -15,6 +15,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],
+        "bench": ["matplotlib>=3.7"],
         "gpu": ["transformer-engine[pytorch]>=2.6"],
     },
 )
