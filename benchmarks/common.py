@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from recipes.models import KIMI_K2_MOE_LAYER  # noqa: E402  (the recipe owns the Kimi-K2 layer shape)
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -44,7 +46,10 @@ class LayerShape:
 # SPEC section 1: layer shapes and the paper's tokens per GPU.
 GPT_OSS_120B = LayerShape("gpt-oss-120b", 128, 2880, 2880, 4, 32768, bias=True)
 DEEPSEEK_V3 = LayerShape("deepseek-v3", 256, 7168, 2048, 8, 16384)
-KIMI_K2 = LayerShape("kimi-k2", 384, 7168, 2048, 8, 16384)
+KIMI_K2 = LayerShape(
+    KIMI_K2_MOE_LAYER.name, KIMI_K2_MOE_LAYER.num_experts, KIMI_K2_MOE_LAYER.hidden, KIMI_K2_MOE_LAYER.ffn,
+    KIMI_K2_MOE_LAYER.topk, 16384,
+)
 FULL_SHAPES = (GPT_OSS_120B, DEEPSEEK_V3, KIMI_K2)
 
 # Paper figures (8x H200): MoE layer forward speedup over EP at 95% into 16/4/1 experts, balanced.

@@ -249,16 +249,10 @@ def plan_llep(
     return _build_plan(counts, local, capacity, before, splits)
 
 
-def _node_of(ranks: np.ndarray, ranks_per_node: Optional[int]) -> np.ndarray:
-    if ranks_per_node is None:
-        return np.zeros_like(ranks)
-    return ranks // ranks_per_node
-
-
 @functools.lru_cache(maxsize=16)
 def _topology(ep: int, ranks_per_node: Optional[int]) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
     """Node of every rank and, per rank, the other ranks of its node and the ranks of other nodes."""
-    node = _node_of(np.arange(ep), ranks_per_node).tolist()
+    node = [0] * ep if ranks_per_node is None else [r // ranks_per_node for r in range(ep)]
     peers = [
         ([g for g in range(ep) if node[g] == node[r] and g != r], [g for g in range(ep) if node[g] != node[r]])
         for r in range(ep)
