@@ -1,0 +1,224 @@
+"""Launchers: Slurm -> torch.distributed env translation, torchrun.sh, and slurm.sbatch on a real local Slurm."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from recipes.launch_env import expand_hostlist, first_host, rendezvous_env_from_slurm  # noqa: E402
+
+FINETUNE_ARGS = ["--train-iters", "2", "--seq-length", "16", "--micro-batch-size", "1"]
+SCRIPTS = ["launch/env.sh", "launch/torchrun.sh", "launch/slurm.sbatch", "launch/local_slurm/start.sh",
+           "launch/local_slurm/stop.sh"]
+
+
+def _srun_task(**overrides):
+    """What srun exports to task 1 of a 4-task step on 2 nodes (node[3-4]) of job 123."""
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "node[3-4]", "SLURM_JOB_ID": "123"}
+    env.update(overrides)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return str(s.getsockname()[1])
+
+
+def _step_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("[finetune] step")]
+
+
+# --- host lists -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, hosts", [
+    ("vm", ["vm"]),
+    ("node[01-03,7]", ["node01", "node02", "node03", "node7"]),
+    ("n[8-10]", ["n8", "n9", "n10"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    (" gpu[1-2]-ib,login ", ["gpu1-ib", "gpu2-ib", "login"]),
+    ("r[1-2]-n[1,3]", ["r1-n1", "r1-n3", "r2-n1", "r2-n3"]),
+    ("a[5],b[2-2]", ["a5", "b2"]),
+])
+def test_expand_hostlist(spec, hosts):
+    assert expand_hostlist(spec) == hosts
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "empty host name"),
+    ("a,,b", "empty host name"),
+    ("n[1-3", "unclosed"),
+    ("n1]", "unbalanced"),
+    ("n[[1]]", "nested"),
+    ("n[3-1]", "descending"),
+    ("n[a-b]", "bad range"),
+    ("n[1-]", "bad range"),
+    ("n[]", "bad range"),
+])
+def test_expand_hostlist_rejects_bad_syntax(spec, message):
+    with pytest.raises(ValueError, match=message):
+        expand_hostlist(spec)
+
+
+def test_first_host_falls_back_to_scontrol_only_for_syntax_it_rejects(tmp_path, monkeypatch):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames n[1-" ] && printf "alpha\\nbeta\\n"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=os.pathsep)
+    assert first_host("node[2-3]") == "node2"
+    assert first_host("n[1-") == "alpha"
+    fake.write_text("#!/bin/sh\necho 'invalid hostlist' >&2; exit 1\n")
+    with pytest.raises(ValueError, match="cannot expand host list 'n\\[1-'.*invalid hostlist"):
+        first_host("n[1-")
+
+
+def test_first_host_without_scontrol_raises_the_parse_error(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError, match="unclosed"):
+        first_host("n[1-")
+
+
+# --- rendezvous_env_from_slurm ---------------------------------------------------------------------
+
+def test_srun_task_gets_full_rendezvous_env():
+    env = _srun_task()
+    assert rendezvous_env_from_slurm(env) is True
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")} == {
+        "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node3"}
+    assert env["MASTER_PORT"] == "15123"  # deterministic: every task of the job derives the same port
+
+
+def test_uneven_nodes_and_nodelist_precedence():
+    # node 3 of "2(x3),1" holds a single task; the step's node list wins over the job's
+    env = _srun_task(SLURM_PROCID="6", SLURM_LOCALID="0", SLURM_NODEID="3", SLURM_STEP_NUM_TASKS="7",
+                     SLURM_STEP_TASKS_PER_NODE="2(x3),1", SLURM_STEP_NODELIST=None,
+                     SLURM_NODELIST="b[07-10]", SLURM_JOB_NODELIST="a[1-9]")
+    assert rendezvous_env_from_slurm(env)
+    assert (env["RANK"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == ("6", "1", "b07")
+    env = _srun_task(SLURM_STEP_NODELIST=None, SLURM_JOB_NODELIST="a[1-9]")
+    assert rendezvous_env_from_slurm(env) and env["MASTER_ADDR"] == "a1"
+
+
+def test_existing_master_addr_and_port_win_and_port_defaults_without_job_id():
+    env = _srun_task(MASTER_ADDR="10.0.0.1", MASTER_PORT="4242")
+    assert rendezvous_env_from_slurm(env)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "4242")
+    env = _srun_task(SLURM_JOB_ID=None)
+    assert rendezvous_env_from_slurm(env) and env["MASTER_PORT"] == "29500"
+
+
+@pytest.mark.parametrize("env", [
+    _srun_task(RANK="0", WORLD_SIZE="2"),  # torchrun already set everything, under Slurm or not
+    {"PATH": "/usr/bin"},  # no Slurm at all
+])
+def test_leaves_environment_alone_when_not_an_srun_task(env):
+    before = dict(env)
+    assert rendezvous_env_from_slurm(env) is False
+    assert env == before
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"SLURM_STEP_NUM_TASKS": None, "SLURM_STEP_TASKS_PER_NODE": None}, "not an srun task"),
+    ({"SLURM_STEP_NODELIST": None}, "SLURM_NODELIST"),
+    ({"SLURM_PROCID": "4"}, "outside the step's 4 tasks"),
+    ({"SLURM_LOCALID": "2"}, "SLURM_LOCALID=2 outside"),
+    ({"SLURM_NODEID": "2"}, "SLURM_NODEID=2 outside"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,2"}, "does not add up"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2x2"}, "bad SLURM_STEP_TASKS_PER_NODE"),
+    ({"SLURM_PROCID": "one"}, "SLURM_PROCID='one' is not a non-negative integer"),
+    ({"SLURM_LOCALID": "-1"}, "SLURM_LOCALID='-1' is not a non-negative integer"),
+    ({"SLURM_JOB_ID": "12_3"}, "SLURM_JOB_ID='12_3' is not a non-negative integer"),
+    ({"WORLD_SIZE": "8"}, "WORLD_SIZE='8' contradicts Slurm's 4"),
+    ({"SLURM_STEP_NODELIST": "node[4-3]"}, "descending"),
+])
+def test_inconsistent_slurm_vars_raise_and_change_nothing(overrides, message, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol fallback for the bad host list
+    env = _srun_task(**overrides)
+    before = dict(env)
+    with pytest.raises(ValueError, match=message):
+        rendezvous_env_from_slurm(env)
+    assert env == before
+
+
+# --- scripts ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_syntax(script):
+    proc = subprocess.run(["bash", "-n", os.path.join(ROOT, script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _run(cmd, env=None, timeout=120, **kwargs):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, **(env or {}))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def test_torchrun_sh_usage_and_bad_input():
+    proc = _run(["launch/torchrun.sh", "-h"])
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: torchrun.sh")
+    proc = _run(["launch/torchrun.sh"], env={"NNODES": "2", "NODE_RANK": "2"})
+    assert proc.returncode == 2 and "NODE_RANK < NNODES" in proc.stderr
+    proc = _run(["launch/torchrun.sh"], env={"MASTER_PORT": "http"})
+    assert proc.returncode == 2 and "MASTER_PORT=http is not a non-negative integer" in proc.stderr
+    proc = _run(["launch/torchrun.sh"], env={"DISTRIBUTED_CONFIG": "/nonexistent.env"})
+    assert proc.returncode == 2 and "is not a file" in proc.stderr
+
+
+def test_torchrun_sh_trains_on_two_cpu_ranks(tmp_path):
+    # the sourced config file overrides the environment: without it the bad port would be rejected
+    config = tmp_path / "distributed_config.env"
+    config.write_text(f"MASTER_PORT={_free_port()}\n")
+    proc = _run(["launch/torchrun.sh", *FINETUNE_ARGS], env={"DISTRIBUTED_CONFIG": str(config), "MASTER_PORT": "x"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_step_lines(proc.stdout)) == 2, proc.stdout
+
+
+# --- real single-node Slurm ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_slurm(tmp_path_factory):
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "sinfo") if shutil.which(b) is None]
+    if missing:
+        pytest.skip(f"slurm binaries not installed ({', '.join(missing)}): apt-get install -y slurm-wlm munge")
+    cluster = tmp_path_factory.mktemp("slurm")
+    try:
+        proc = _run(["launch/local_slurm/start.sh", str(cluster)], timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        yield {"SLURM_CONF": str(cluster / "slurm.conf")}, cluster
+    finally:
+        _run(["launch/local_slurm/stop.sh", str(cluster)], timeout=60)
+
+
+def _sbatch(local_slurm, mode, ntasks_per_node):
+    env, cluster = local_slurm
+    log = cluster / f"{mode}.log"
+    # --time: Slurm itself ends a hung job, so sbatch --wait returns and the log explains
+    cmd = ["sbatch", "--wait", "--time=2", f"--ntasks-per-node={ntasks_per_node}", f"--output={log}",
+           "launch/slurm.sbatch", *FINETUNE_ARGS]
+    try:
+        proc = _run(cmd, env=dict(env, LAUNCH_MODE=mode, MASTER_PORT=_free_port()), timeout=150)
+    except subprocess.TimeoutExpired:
+        queue = _run(["squeue", "-o", "%i %T %r"], env=env).stdout
+        pytest.fail(f"job did not finish (never scheduled?); squeue:\n{queue}")
+    text = log.read_text() if log.exists() else "(no job log)"
+    assert proc.returncode == 0, proc.stdout + proc.stderr + text[-3000:]
+    assert f"mode {mode}" in text, text[-3000:]
+    assert len(_step_lines(text)) == 2, text[-3000:]
+
+
+def test_sbatch_torchrun_mode_one_task_two_processes(local_slurm):
+    _sbatch(local_slurm, "torchrun", 1)
+
+
+def test_sbatch_per_task_mode_two_tasks(local_slurm):
+    with open(os.path.join(ROOT, "recipes", "finetune.py")) as f:
+        if "rendezvous_env_from_slurm" not in f.read():
+            pytest.skip("recipes/finetune.py does not call recipes.launch_env.rendezvous_env_from_slurm yet")
+    _sbatch(local_slurm, "per-task", 2)
