@@ -1,0 +1,3 @@
+from megatron_llep.placement.cli import main
+
+main()
