@@ -3,18 +3,19 @@
 Stage 1 partitions the experts into P GPU groups of M: the P experts of highest weighted degree
 (``sum_j p_ij``) seed the groups, which then grow round-robin, each taking the unassigned expert of
 highest cumulative co-activation to the group. Stage 2 partitions the GPUs into nodes the same way
-on the GPU-level co-activation. After each greedy stage, and finally on the expert level with the
-real distances (0 / 1 / c), Kernighan-Lin swap passes between every pair of groups lower C further:
-the greedy's seeds are not guaranteed to fall into different co-activation clusters, and such a
-pass moves the misplaced half of a cluster back. The result is the *communication-optimal* point.
+on the GPU-level co-activation. Two additions make this robust: the SPEC's seeds may fall into one
+co-activation cluster, so each stage also grows from *spread* seeds (each next seed the expert least
+co-activated with the seeds so far) and keeps the lower cut; and after each greedy stage, and
+finally on the expert level with the real distances (0 / 1 / c), Kernighan-Lin swap passes between
+every pair of groups lower C further. The result is the *communication-optimal* point.
 
 The spectrum then repeatedly swaps one expert of the highest-loaded GPU with one of the
 lowest-loaded GPU: among the swaps that lower the larger of the two loads it takes the one adding
 the least C per token of load removed. Every step is a point (C, B). A point is chosen by
 
-* ``lambda``: minimise ``lambda * C_hat + (1 - lambda) * B_hat`` where ``C_hat`` and ``B_hat`` are
-  C and B min-max normalised over the spectrum (``lambda = 1``: the comm-optimal first point,
-  ``lambda = 0``: the best balanced point), or
+* ``lambda``: minimise ``lambda * C / C_seq + (1 - lambda) * B`` where ``C_seq`` is the C of the
+  sequential placement, so both terms are 1 for Megatron's default layout under perfect balance
+  (``lambda = 1``: the lowest C, ``lambda = 0``: the best balanced point), or
 * profiling: a callable that scores a point (a measured or predicted step time); lowest wins.
 
 Group-limited routing (``routing_groups = G > 1``) allows only permutations that keep Megatron's
@@ -125,14 +126,28 @@ def _units(num_experts: int, ep_size: int, routing_groups: int) -> _Units:
     )
 
 
-def _greedy_groups(affinity: np.ndarray, num_groups: int, capacity: int) -> np.ndarray:
-    """Seeded round-robin greedy partition of ``n = num_groups * capacity`` items (stage 1 / 2)."""
-    n = affinity.shape[0]
+def _seeds(affinity: np.ndarray, num_groups: int, spread: bool) -> np.ndarray:
+    """The SPEC's seeds, the ``num_groups`` items of highest weighted degree; or, ``spread``, the
+    highest-degree item and then each time the item least co-activated with the seeds so far
+    (ties by degree), which lands every seed in a different co-activation cluster."""
+    order = np.argsort(-affinity.sum(axis=1), kind="stable")
+    if not spread:
+        return order[:num_groups]
+    seeds = [int(order[0])]
+    for _ in range(1, num_groups):
+        pull = affinity[order][:, seeds].sum(axis=1)
+        pull[np.isin(order, seeds)] = np.inf
+        seeds.append(int(order[np.argmin(pull)]))  # argmin takes the first, i.e. highest degree, tie
+    return np.array(seeds)
+
+
+def _greedy_groups(affinity: np.ndarray, seeds: np.ndarray, capacity: int) -> np.ndarray:
+    """Round-robin greedy partition of ``n = len(seeds) * capacity`` items grown from ``seeds``."""
+    n, num_groups = affinity.shape[0], seeds.size
     if n != num_groups * capacity:
         raise ValueError(f"{n} items do not fill {num_groups} groups of {capacity}")
     order = np.argsort(-affinity.sum(axis=1), kind="stable")  # weighted degree, descending
     group_of = np.full(n, -1, np.int64)
-    seeds = order[:num_groups]
     group_of[seeds] = np.arange(num_groups)
     to_group = affinity[:, seeds].copy()
     size = np.ones(num_groups, np.int64)
@@ -146,6 +161,18 @@ def _greedy_groups(affinity: np.ndarray, num_groups: int, capacity: int) -> np.n
             size[g] += 1
             to_group[:, g] += affinity[:, pick]
     return group_of
+
+
+def _partition(affinity: np.ndarray, num_groups: int, capacity: int) -> np.ndarray:
+    """One greedy stage: grow from both seed sets, refine each, keep the lower cut (ties: SPEC's)."""
+    dist = 1.0 - np.eye(num_groups)
+    block = np.zeros(affinity.shape[0], np.int64)
+    candidates = [
+        _kernighan_lin(affinity, _greedy_groups(affinity, _seeds(affinity, num_groups, spread), capacity), dist, block)
+        for spread in (False, True)
+    ]
+    cuts = [float(np.sum(affinity * dist[g][:, g])) for g in candidates]
+    return candidates[int(np.argmin(cuts))]
 
 
 def _swap_delta(affinity: np.ndarray, group_of: np.ndarray, dist: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -199,23 +226,17 @@ def comm_optimal_placement(coact: np.ndarray, topology: Topology, routing_groups
     units = _units(num_experts, topology.ep_size, routing_groups)
     affinity, _ = units.aggregate(coact, np.zeros(num_experts))
     unit_block = units.block_of_unit()
-    gpu_distance = 1.0 - np.eye(topology.ep_size)
     device_of_unit = np.empty(units.num_units, np.int64)
     for block in np.unique(units.block_of_gpu):
         members = np.flatnonzero(unit_block == block)
         gpus = np.flatnonzero(units.block_of_gpu == block)
-        sub = affinity[np.ix_(members, members)]
-        groups = _greedy_groups(sub, gpus.size, units.capacity)
-        groups = _kernighan_lin(sub, groups, gpu_distance[: gpus.size, : gpus.size], np.zeros(members.size, np.int64))
-        device_of_unit[members] = gpus[groups]
+        device_of_unit[members] = gpus[_partition(affinity[np.ix_(members, members)], gpus.size, units.capacity)]
     if topology.num_nodes > 1 and np.unique(units.block_of_gpu).size == 1:
         onehot = np.zeros((units.num_units, topology.ep_size))
         onehot[np.arange(units.num_units), device_of_unit] = 1.0
         gpu_affinity = onehot.T @ affinity @ onehot
         np.fill_diagonal(gpu_affinity, 0.0)
-        node_of_gpu = _greedy_groups(gpu_affinity, topology.num_nodes, topology.node_size)
-        node_distance = 1.0 - np.eye(topology.num_nodes)
-        node_of_gpu = _kernighan_lin(gpu_affinity, node_of_gpu, node_distance, np.zeros(topology.ep_size, np.int64))
+        node_of_gpu = _partition(gpu_affinity, topology.num_nodes, topology.node_size)
         new_id = np.argsort(np.lexsort((np.arange(topology.ep_size), node_of_gpu)))  # node-major GPU ids
         device_of_unit = new_id[device_of_unit]
     device_of_unit = _kernighan_lin(affinity, device_of_unit, topology.distance(), units.block_of_gpu[device_of_unit])
@@ -269,18 +290,14 @@ def tradeoff_spectrum(
     return points
 
 
-def _normalised(values: np.ndarray) -> np.ndarray:
-    span = values.max() - values.min()
-    return (values - values.min()) / span if span > 0 else np.zeros_like(values)
-
-
-def select_by_lambda(points: list[SpectrumPoint], lam: float) -> int:
-    """Index minimising ``lam * C_hat + (1 - lam) * B_hat`` (min-max normalised over ``points``;
-    ties go to the earlier, more communication-friendly point)."""
+def select_by_lambda(points: list[SpectrumPoint], lam: float, comm_scale: float) -> int:
+    """Index minimising ``lam * C / comm_scale + (1 - lam) * B``; ``comm_scale`` is the C of the
+    sequential placement (Megatron's default layout), so both terms are ratios where sequential's
+    C and a perfect balance are 1. Ties go to the earlier, more communication-friendly point."""
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda must be within [0, 1], got {lam}")
-    c = _normalised(np.array([p.comm_cost for p in points]))
-    b = _normalised(np.array([p.imbalance for p in points]))
+    c = np.array([p.comm_cost for p in points]) / (comm_scale if comm_scale > 0 else 1.0)
+    b = np.array([p.imbalance for p in points])
     return int(np.argmin(lam * c + (1.0 - lam) * b))
 
 
@@ -318,7 +335,8 @@ def plan_cap(
     if profile is not None:
         chosen, scores = select_by_profiling(points, profile, max_evaluations)
         return CAPResult(points, chosen, "profiling", scores)
-    return CAPResult(points, select_by_lambda(points, lam), f"lambda={lam:g}")
+    sequential = np.arange(coact.shape[0]) // experts_per_rank(coact.shape[0], topology.ep_size)
+    return CAPResult(points, select_by_lambda(points, lam, comm_cost(coact, sequential, topology)), f"lambda={lam:g}")
 
 
 def plan_trace(

@@ -81,13 +81,17 @@ def comm_cost(coact: np.ndarray, device_of_expert: np.ndarray, topology: Topolog
     return float(0.5 * np.sum(coact * dist))
 
 
+def distinct_per_row(values: np.ndarray) -> np.ndarray:
+    """Number of distinct non-negative entries in each row of ``[T, K]`` (``-1`` = none)."""
+    values = np.sort(np.asarray(values), axis=1)
+    new = np.concatenate([values[:, :1] >= 0, (values[:, 1:] != values[:, :-1]) & (values[:, 1:] >= 0)], axis=1)
+    return new.sum(axis=1)
+
+
 def devices_per_token(expert_ids: np.ndarray, device_of_expert: np.ndarray) -> np.ndarray:
     """Per token, the number of distinct devices its experts live on (its real traffic)."""
     ids = np.asarray(expert_ids)
-    device = np.where(ids >= 0, np.asarray(device_of_expert)[np.maximum(ids, 0)], -1)
-    device = np.sort(device, axis=1)
-    new = np.concatenate([device[:, :1] >= 0, (device[:, 1:] != device[:, :-1]) & (device[:, 1:] >= 0)], axis=1)
-    return new.sum(axis=1)
+    return distinct_per_row(np.where(ids >= 0, np.asarray(device_of_expert)[np.maximum(ids, 0)], -1))
 
 
 def device_loads(expert_loads: np.ndarray, device_of_expert: np.ndarray, ep_size: int) -> np.ndarray:

@@ -3,8 +3,8 @@ of a token whose accuracy contribution is small for their cost.
 
 Per token, a device's contribution ``a_d`` is the sum of the routing scores of the token's experts
 on it; its cost ``c_d`` is the price of sending the token there (e.g. 0 for the token's own GPU, 1
-in its node, c across nodes). Devices are kept in descending ``a_d / c_d`` (a free device first)
-until the kept mass reaches ``(1 - p)`` of the token's total score; the rest are dropped with all
+in its node, c across nodes). Devices are kept in descending ``a_d / c_d`` (free devices first; ties
+by larger ``a_d``, then lower device id) until the kept mass reaches ``(1 - p)`` of the token's total score; the rest are dropped with all
 of their experts. ``p = 0`` keeps every device, even ones whose experts have zero score.
 """
 
@@ -56,7 +56,8 @@ def prune_devices(
     mass = torch.zeros(num_tokens, num_devices, dtype=probs.dtype, device=probs.device).scatter_add_(1, device, probs)
     ratio = torch.where(cost > 0, mass / cost.clamp_min(torch.finfo(probs.dtype).tiny), torch.inf)
     ratio = torch.where(visited, ratio, -torch.inf)
-    order = torch.argsort(ratio, dim=1, descending=True, stable=True)
+    by_mass = torch.argsort(mass, dim=1, descending=True, stable=True)  # ties: more mass, then lower id
+    order = by_mass.gather(1, torch.argsort(ratio.gather(1, by_mass), dim=1, descending=True, stable=True))
     sorted_mass = mass.gather(1, order)
     mass_before = torch.cumsum(sorted_mass, dim=1) - sorted_mass
     total = mass.sum(dim=1, keepdim=True)

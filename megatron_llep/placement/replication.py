@@ -54,22 +54,18 @@ def eplb_placement(loads: np.ndarray, ep_size: int, redundant_per_device: int = 
 
 
 def route_with_replicas(expert_ids: np.ndarray, placement: ReplicatedPlacement) -> tuple[np.ndarray, np.ndarray]:
-    """Serve every token (see the module docstring); returns ``devices_per_token [T]`` and the
-    tokens each device computes ``[P]``."""
+    """Serve every token (see the module docstring); returns the device of each assignment
+    ``[T, K]`` (``-1`` where the expert id is ``-1``) and the tokens each device computes ``[P]``."""
+    ids = np.asarray(expert_ids)
     device_load = np.zeros(placement.ep_size)
     single = np.array([h[0] if h.size == 1 else -1 for h in placement.replicas])
-    visits = np.zeros(len(expert_ids), np.int64)
-    for t, row in enumerate(np.asarray(expert_ids)):
-        row = row[row >= 0]
-        fixed = single[row]
-        visited = set(fixed[fixed >= 0].tolist())
-        np.add.at(device_load, fixed[fixed >= 0], 1.0)
-        for e in row[fixed < 0]:
-            hosts = placement.replicas[e]
-            near = [d for d in hosts.tolist() if d in visited]
-            options = np.array(near) if near else hosts
-            d = int(options[np.argmin(device_load[options])])
-            visited.add(d)
-            device_load[d] += 1.0
-        visits[t] = len(visited)
-    return visits, device_load
+    served = np.where(ids >= 0, single[np.maximum(ids, 0)], -1)
+    np.add.at(device_load, served[served >= 0], 1.0)
+    for t, k in zip(*np.nonzero((ids >= 0) & (served < 0))):  # row-major: a token's picks in order
+        visited = served[t][served[t] >= 0]
+        hosts = placement.replicas[ids[t, k]]
+        near = hosts[np.isin(hosts, visited)]
+        options = near if near.size else hosts
+        served[t, k] = d = int(options[np.argmin(device_load[options])])
+        device_load[d] += 1.0
+    return served, device_load

@@ -209,11 +209,11 @@ def clustered_topk(
 ) -> np.ndarray:
     """Synthetic routing ``[num_tokens, topk]`` with planted co-activation and load skew.
 
-    Every token belongs to a cluster (uniformly); each of its K picks lies inside that cluster with
-    probability ``affinity`` (``q``), so ``q = 1`` picks all K inside (capped by the cluster size)
-    and ``q = 0`` ignores the clusters. Within and outside the cluster, experts are drawn without
-    replacement with popularity ``(1 + r_e) ** -load_skew`` for a random popularity rank ``r_e``
-    (``load_skew = 0``: uniform loads).
+    Every token belongs to a cluster (uniformly); each of its K picks is, with probability
+    ``affinity`` (``q``), forced inside that cluster (capped by the cluster size), the others are
+    drawn from all remaining experts: ``q = 1`` keeps a token inside its cluster, ``q = 0``
+    ignores the clusters. Draws are without replacement with popularity ``(1 + r_e) ** -load_skew``
+    for a random popularity rank ``r_e`` (``load_skew = 0``: uniform loads), by Gumbel-top-k.
     """
     clusters = np.asarray(clusters, np.int64)
     num_experts = clusters.size
@@ -225,18 +225,19 @@ def clustered_topk(
         raise ValueError(f"load_skew must be >= 0, got {load_skew}")
     rng = np.random.default_rng(seed)
     num_clusters = int(clusters.max()) + 1
-    cluster_size = np.bincount(clusters, minlength=num_clusters)
     log_popularity = -load_skew * np.log1p(rng.permutation(num_experts))
     token_cluster = rng.integers(0, num_clusters, num_tokens)
     inside = clusters[None, :] == token_cluster[:, None]
-    size = cluster_size[token_cluster]
-    num_inside = np.clip(rng.binomial(topk, affinity, num_tokens), topk - (num_experts - size), size)
-    keys = log_popularity[None, :] + rng.gumbel(size=(num_tokens, num_experts))  # Gumbel-top-k sampling
-    best_inside = np.argsort(-np.where(inside, keys, -np.inf), axis=1)[:, :topk]
-    best_outside = np.argsort(-np.where(inside, -np.inf, keys), axis=1)[:, :topk]
+    num_inside = np.minimum(rng.binomial(topk, affinity, num_tokens), np.bincount(clusters)[token_cluster])
     rank = np.arange(topk)[None, :]
-    take = np.concatenate([rank < num_inside[:, None], rank < (topk - num_inside)[:, None]], axis=1)
-    return np.concatenate([best_inside, best_outside], axis=1)[take].reshape(num_tokens, topk)
+    keys = np.where(inside, log_popularity + rng.gumbel(size=inside.shape), -np.inf)
+    best_inside = np.argsort(-keys, axis=1)[:, :topk]
+    forced = rank < num_inside[:, None]
+    keys = log_popularity + rng.gumbel(size=inside.shape)
+    np.put_along_axis(keys, best_inside, np.where(forced, -np.inf, np.take_along_axis(keys, best_inside, 1)), axis=1)
+    best_rest = np.argsort(-keys, axis=1)[:, :topk]
+    take = np.concatenate([forced, rank < (topk - num_inside)[:, None]], axis=1)
+    return np.concatenate([best_inside, best_rest], axis=1)[take].reshape(num_tokens, topk)
 
 
 def synthetic_trace(
