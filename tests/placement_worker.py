@@ -141,6 +141,28 @@ def group_mixing_rejected() -> str:
     return ""
 
 
+def model_level_checks() -> dict:
+    """A two-layer model: every layer gets its own permutation; mismatches are rejected clearly."""
+    cfg = moe_config(NUM_EXPERTS, HIDDEN, FFN, 2, 2)
+    model = torch.nn.ModuleList([build_moe_layer(cfg, None, seed=s) for s in (1, 2)])
+    model[1].set_layer_number(2)
+    before = [layer.router.weight.detach().clone() for layer in model]
+    placement = ExpertPlacement(NUM_EXPERTS, 2, {1: CROSS_RANK, 2: GROUP_PRESERVING, 9: np.arange(8)})
+    apply_placement(model, placement)
+    moved = [torch.equal(layer.router.weight, w[torch.as_tensor(p)]) for layer, w, p in
+             zip(model, before, (CROSS_RANK, GROUP_PRESERVING))]
+    errors = {}
+    for name, wrong in {"missing_layer": ExpertPlacement(NUM_EXPERTS, 2, {1: CROSS_RANK}),
+                        "ep_size": ExpertPlacement(NUM_EXPERTS, 4, {1: CROSS_RANK, 2: CROSS_RANK}),
+                        "num_experts": ExpertPlacement(4, 2, {1: np.arange(4), 2: np.arange(4)})}.items():
+        try:
+            apply_placement(model, wrong)
+            errors[name] = ""
+        except ValueError as err:
+            errors[name] = str(err)
+    return {"moved": moved, "errors": errors}
+
+
 def checkpoint_round_trip(rank: int, directory: str) -> dict:
     """Save a placed layer with its placement file, load into a fresh layer, restore the order."""
     cfg = moe_config(NUM_EXPERTS, HIDDEN, FFN, 2, 2)
@@ -201,6 +223,7 @@ def run_all(rank: int, world: int, directory: str) -> dict:
     init_expert_parallel(world)
     results = {case.name: compare_case(rank, case) for case in CASES}
     results["group_mixing_rejected"] = group_mixing_rejected()
+    results["model"] = model_level_checks()
     results["checkpoint"] = checkpoint_round_trip(rank, directory)
     results["recorder"] = record_traces(rank)
     return results

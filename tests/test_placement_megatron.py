@@ -5,7 +5,7 @@ trace recorder records exactly what the router chose, within its memory bound.""
 
 import pytest
 
-from placement_worker import CASES, NUM_EXPERTS, run_all
+from placement_worker import CASES, run_all
 from megatron_llep.testing.distributed import run_distributed
 
 
@@ -40,6 +40,15 @@ def test_group_limited_routing_rejects_a_placement_that_splits_groups(per_rank):
     assert "mix routing groups" in message and "moe_router_num_groups=4" in message
 
 
+def test_every_layer_of_a_model_gets_its_permutation_and_mismatches_are_rejected(per_rank):
+    for results in per_rank:
+        r = results["model"]
+        assert r["moved"] == [True, True]
+        assert "no entry for MoE layer(s) [2]" in r["errors"]["missing_layer"]
+        assert "expert-parallel size 2, the placement is for 4" in r["errors"]["ep_size"]
+        assert "has 8 experts, the placement is for 4" in r["errors"]["num_experts"]
+
+
 def test_checkpoint_saved_placed_round_trips_to_original_order(per_rank):
     for results in per_rank:
         assert results["checkpoint"] == {"equal": True, "placement_recorded": True}
@@ -51,4 +60,3 @@ def test_recorder_records_exactly_the_routers_choice_within_its_memory_bound(per
         assert r["natural_equal"]
         assert r["sampled"] == 10 and r["tokens_seen"] == 3 * 24
         assert r["counts_exact"] and r["rows_recorded_exactly"]
-    assert NUM_EXPERTS == 8

@@ -94,9 +94,13 @@ class _Units:
     def num_units(self) -> int:
         return int(self.unit_of_expert.max()) + 1
 
+    @property
+    def first_expert(self) -> np.ndarray:
+        return np.unique(self.unit_of_expert, return_index=True)[1]
+
     def block_of_unit(self) -> np.ndarray:
-        first_expert = np.unique(self.unit_of_expert, return_index=True)[1]
-        return self.block_of_gpu[first_expert // (self.unit_of_expert.size // self.block_of_gpu.size)]
+        """A unit's block is that of the GPU natively holding its first expert (expert e on GPU e // M)."""
+        return self.block_of_gpu[self.first_expert // (self.unit_of_expert.size // self.block_of_gpu.size)]
 
     def aggregate(self, coact: np.ndarray, loads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Unit affinity (co-activation summed over expert pairs, pairs inside a unit dropped: they
@@ -260,8 +264,7 @@ def tradeoff_spectrum(
         raise ValueError(f"loads must have {num_experts} entries (one per expert), got {loads.shape}")
     units = _units(num_experts, topology.ep_size, routing_groups)
     affinity, unit_loads = units.aggregate(coact, loads)
-    first_expert = np.unique(units.unit_of_expert, return_index=True)[1]
-    device_of_unit = np.asarray(start, np.int64)[first_expert]
+    device_of_unit = np.asarray(start, np.int64)[units.first_expert]
     if not (device_of_unit[units.unit_of_expert] == start).all():
         raise ValueError("the start placement splits a routing group that must stay together")
     dist = topology.distance()
