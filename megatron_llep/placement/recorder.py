@@ -11,7 +11,7 @@ expert bias and any capacity dropping; router replay included). Per layer it kee
 Each process records its own tokens (its data-parallel shard; EP ranks route different tokens);
 save one file per rank (``trace.save(f"trace_rank{rank}.npz")``) and merge them when planning
 (:func:`~megatron_llep.placement.trace.load_traces`, or pass all files to the CLI). Cost: one
-``[T, K]`` index sort per layer and a host copy of it (a device sync) — meant for a short
+``[T, N]`` sort per layer and step and a ``[T, K]`` host copy (a device sync) — meant for a short
 profiling run. With activation recomputation of the MoE layer, recomputed forwards are recorded
 again (duplicate tokens, identical routing; co-activation ratios are unaffected).
 """
