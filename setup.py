@@ -11,7 +11,11 @@ setup(
         "torch>=2.6,<2.15",
         "megatron-core>=0.16.0,<0.17",
         "numpy>=1.24",
+        # the offline-run reader (megatron_llep.testing.wandb_offline) parses wandb 0.31's file format
         "wandb>=0.31,<0.32",
+        "pillow>=9",  # wandb images (expert-load heatmaps)
+        "tokenizers>=0.15",
+        "psutil>=5",  # dist_checkpointing's writer processes need it (and hang without it)  # local Hugging Face tokenizer.json files for fine-tuning data
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],

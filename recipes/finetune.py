@@ -1,67 +1,141 @@
-"""Fine-tune a Megatron-Core GPT MoE model with LLEP (or plain EP) and report throughput.
+"""Fine-tune a Megatron-Core GPT MoE model (gpt-oss, DeepSeek-V3) with LLEP or plain EP.
 
-CPU default (tiny model, gloo, 2 processes)::
+CPU default (tiny gpt-oss, the shipped SFT data and byte tokenizer, gloo, 2 processes)::
 
     python -m torch.distributed.run --nproc_per_node 2 recipes/finetune.py
 
-On CPU the gloo backend and megatron_llep.compat.cpu_gloo are used automatically.
+GPU, e.g. gpt-oss-20b on 8 GPUs with a local tokenizer and data::
+
+    torchrun --nproc_per_node 8 recipes/finetune.py --recipe gpt-oss-20b --expert-model-parallel-size 8 \\
+        --tokenizer /models/gpt-oss-20b --data sft.jsonl --seq-length 4096 --global-batch-size 64 \\
+        --save ckpt --load ckpt --wandb-project llep
+
+Megatron's own machinery does the work: GPTModel, DDP, the distributed optimizer, the
+forward-backward schedules (gradient accumulation, pipeline parallelism), the LR scheduler and
+dist_checkpointing. On CPU the gloo backend and megatron_llep.compat.cpu_gloo are used.
+SIGTERM/SIGINT (e.g. slurm preemption) finish the current step, save (with --save) and exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
 import time
-from typing import Optional, Sequence
+from functools import partial
+from typing import Any, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_llep.config import LLEPConfig  # noqa: E402
+from recipes import data as sft_data  # noqa: E402
+from recipes.models import RECIPES  # noqa: E402
+
+# run_info entries a resumed run must share with the saved one
+RESUME_MUST_MATCH = ("recipe", "seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", default="tiny", choices=["tiny"], help="model recipe")
-    parser.add_argument("--train-iters", type=int, default=6)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--expert-model-parallel-size", type=int, default=None, help="default: world size")
+    model = parser.add_argument_group("model")
+    model.add_argument("--recipe", default="gpt-oss-tiny", choices=sorted(RECIPES))
+    model.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", default=sft_data.DEFAULT_DATA, help="SFT JSONL file (see recipes/data.py for the formats)")
+    data.add_argument("--tokenizer", default=sft_data.DEFAULT_TOKENIZER,
+                      help="local tokenizer.json (file or directory) or a byte-tokenizer file")
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--train-iters", type=int, default=6)
+    train.add_argument("--micro-batch-size", type=int, default=2)
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help="default: micro batch x data-parallel size (no gradient accumulation)")
+    train.add_argument("--seq-length", type=int, default=64)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--min-lr", type=float, default=1e-4)
+    train.add_argument("--lr-warmup-iters", type=int, default=1)
+    train.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="cosine")
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--seed", type=int, default=1234)
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--expert-model-parallel-size", type=int, default=None,
+                          help="default: world size / (TP x PP)")
+
+    ckpt = parser.add_argument_group("checkpointing")
+    ckpt.add_argument("--save", default=None, help="directory to save checkpoints to (also on exit and on SIGTERM)")
+    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--exit-interval", type=int, default=None,
+                      help="stop (and save, with --save) after an iteration divisible by this, e.g. a job time slice")
+    ckpt.add_argument("--load", default=None, help="resume from this save directory (or one iter_* directory)")
+
+    log = parser.add_argument_group("logging")
+    log.add_argument("--log-interval", type=int, default=1)
+    log.add_argument("--wandb-project", default=None, help="enable wandb logging (offline unless --wandb-mode online)")
+    log.add_argument("--wandb-exp-name", default=None, help="default: finetune-<recipe>")
+    log.add_argument("--wandb-save-dir", default=None, help="default: <save>/wandb or ./runs/wandb")
+    log.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default=None,
+                     help="default: $WANDB_MODE, else offline")
+    log.add_argument("--heatmap-interval", type=int, default=10, help="log the expert-load heatmap every N steps")
+
     llep = parser.add_argument_group("LLEP")
     llep.add_argument("--no-llep", dest="llep", action="store_false", help="run plain expert parallelism")
     llep.add_argument("--llep-alpha", type=float, default=1.0)
-    llep.add_argument("--llep-min-chunk-tokens", type=int, default=16, help="m (1024 on GPUs)")
+    llep.add_argument("--llep-min-chunk-tokens", type=int, default=None, help="m (default 1024 on GPU, 16 on CPU)")
     llep.add_argument("--llep-imbalance-threshold", type=float, default=1.3, help="lambda")
     llep.add_argument("--llep-cost-aware", action="store_true", help="veto spills the cost model predicts unprofitable")
+    llep.add_argument("--ranks-per-node", type=int, default=None, help="prefer helpers inside a node of this size")
+    parser.add_argument("--placement", default=None, help="CAP placement file (python -m megatron_llep.placement)")
     parser.add_argument(
-        "--force-routing",
-        default=None,
-        metavar="F:H",
+        "--force-routing", default=None, metavar="F:H",
         help="demo/benchmark only: force a fraction F of tokens into H hot experts (Megatron router replay)",
     )
     args = parser.parse_args(argv)
-    if args.train_iters <= 0 or args.micro_batch_size <= 0 or args.seq_length <= 0:
-        parser.error("--train-iters, --micro-batch-size and --seq-length must be positive")
+    positive = ("train_iters", "micro_batch_size", "seq_length", "log_interval", "heatmap_interval",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("global_batch_size", "expert_model_parallel_size", "save_interval", "exit_interval"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.save_interval and not args.save:
+        parser.error("--save-interval needs --save")
     if args.force_routing is not None:
         try:
             fraction, hot = args.force_routing.split(":")
             args.force_routing = (float(fraction), int(hot))
         except ValueError:
             parser.error(f"--force-routing expects F:H (e.g. 0.9:1), got {args.force_routing!r}")
+        if not 0.0 <= args.force_routing[0] <= 1.0 or args.force_routing[1] < 1:
+            parser.error(f"--force-routing F:H needs 0 <= F <= 1 and H >= 1, got {args.force_routing}")
+    for path, what in ((args.data, "--data"), (args.tokenizer, "--tokenizer"), (args.placement, "--placement")):
+        if path is not None and not os.path.exists(path):
+            parser.error(f"{what}: {path} does not exist")
+    if args.load is not None and not os.path.isdir(args.load):
+        parser.error(f"--load: {args.load} is not a directory")
     return args
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
-    """Process group from torchrun's environment: NCCL on GPUs, gloo (+ CPU compat layer) on CPU."""
+    """Process group from torchrun's (or slurm's) environment: NCCL on GPUs, gloo + the CPU
+    compatibility layer on CPU."""
+    from recipes.launch_env import rendezvous_env_from_slurm
+
+    rendezvous_env_from_slurm()
     if "RANK" not in os.environ:
-        raise SystemExit("run me under torchrun, e.g. python -m torch.distributed.run --nproc_per_node 2 recipes/finetune.py")
+        raise SystemExit("run me under torchrun (python -m torch.distributed.run --nproc_per_node 2 recipes/finetune.py) "
+                         "or srun (see launch/)")
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -75,34 +149,111 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
 
-def build_model(args: argparse.Namespace, ep_size: int):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+class ConfigError(ValueError):
+    """Parallel layout, batch or model settings that cannot work together."""
+
+
+def parallel_layout(args: argparse.Namespace, world: int, num_experts: int) -> dict[str, int]:
+    """TP/PP/EP/DP sizes and micro-batches per step, validated against the world and the model."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise ConfigError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
+    dp = world // (tp * pp)
+    ep = args.expert_model_parallel_size or dp * tp
+    if (dp * tp) % ep:
+        raise ConfigError(f"EP = {ep} must divide TP x DP = {tp * dp} (world {world} / PP {pp})")
+    if num_experts % ep:
+        raise ConfigError(f"{args.recipe} has {num_experts} experts, not divisible by EP = {ep}")
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    if global_batch % (args.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of micro batch x DP = "
+                          f"{args.micro_batch_size} x {dp}")
+    return dict(tp=tp, pp=pp, ep=ep, dp=dp, global_batch=global_batch,
+                num_microbatches=global_batch // (args.micro_batch_size * dp))
+
+
+def llep_config(args: argparse.Namespace, on_gpu: bool) -> LLEPConfig:
+    return LLEPConfig(
+        alpha=args.llep_alpha,
+        min_chunk_tokens=args.llep_min_chunk_tokens if args.llep_min_chunk_tokens is not None else (1024 if on_gpu else 16),
+        imbalance_threshold=args.llep_imbalance_threshold,
+        cost_aware=args.llep_cost_aware,
+        ranks_per_node=args.ranks_per_node,
+    )
+
+
+def _check_megatron_support(recipe, layout: dict[str, int]) -> None:
+    """Settings Megatron-Core 0.16 cannot run with this recipe's modules, caught with a reason."""
+    from recipes.models import HAVE_TE
+
+    config = recipe.config
+    if layout["tp"] > 1 and not HAVE_TE:
+        raise ConfigError("TP > 1 with MoE needs sequence parallelism, whose norms need Transformer Engine "
+                          "(not installed): use EP/PP on this machine")
+    if config.num_layers % layout["pp"]:
+        raise ConfigError(f"{recipe.name} has {config.num_layers} layers, not divisible by PP = {layout['pp']}")
+    if config.add_bias_linear and not config.moe_grouped_gemm and layout["ep"] == 1 and layout["tp"] == 1:
+        raise ConfigError(f"{recipe.name}'s expert biases with local experts need EP >= 2 (Megatron-Core 0.16's "
+                          "SequentialMLP adds the fc2 bias in place on a view when EP = TP = 1)")
+
+
+def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device, vocab_needed: int, placement=None):
+    """GPTModel (LLEP or plain EP; experts in ``placement``'s order if given) wrapped in Megatron
+    DDP, the distributed optimizer and the LR scheduler."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_llep.layer import with_llep
-    from recipes.models import tiny_moe
 
-    config = tiny_moe(ep_size)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    on_gpu = device.type == "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
+    recipe = RECIPES[args.recipe](ep_size=layout["ep"], tp_size=layout["tp"], pp_size=layout["pp"], dtype=dtype, cpu=not on_gpu)
+    if vocab_needed > recipe.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab_needed} ids but {recipe.name}'s vocabulary is {recipe.vocab_size}")
+    if args.seq_length > recipe.max_sequence_length:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds {recipe.name}'s {recipe.max_sequence_length}")
+    if args.force_routing and not recipe.config.moe_enable_routing_replay:
+        raise ConfigError("--force-routing needs Megatron's router replay (moe_enable_routing_replay), on in CPU recipes")
+    config = recipe.config
+    _check_megatron_support(recipe, layout)
+    config.calculate_per_token_loss = True  # exact per-token mean over micro-batches and DP ranks
+    spec = recipe.layer_spec()
     if args.llep:
-        spec = with_llep(
-            spec,
-            LLEPConfig(
-                alpha=args.llep_alpha,
-                min_chunk_tokens=args.llep_min_chunk_tokens,
-                imbalance_threshold=args.llep_imbalance_threshold,
-                cost_aware=args.llep_cost_aware,
-            ),
-        )
-    model = GPTModel(config, spec, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)
+        spec = with_llep(spec, llep_config(args, on_gpu))
+    model = GPTModel(
+        config, spec, mtp_block_spec=recipe.mtp_spec(spec),
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        **recipe.gpt_model_kwargs(),
+    )
+    if on_gpu:
+        model.cuda(device)
+    if placement is not None:  # before DDP and the optimizer: they keep per-parameter buffers and state
+        from megatron_llep.placement import apply_placement
+
+        try:
+            apply_placement(model, placement)
+        except ValueError as err:
+            raise ConfigError(f"--placement {args.placement}: {err}") from None
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True)
     model = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, use_distributed_optimizer=True, clip_grad=1.0), [model]
+        OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                        clip_grad=args.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                        use_distributed_optimizer=True),
+        [model],
     )
-    return model, optimizer, config
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=max(args.train_iters, args.lr_warmup_iters + 1), lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant",
+    )
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return recipe, model, optimizer, scheduler
 
 
 def _moe_layers(model) -> list:
@@ -111,75 +262,219 @@ def _moe_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def _llep_summary(layers) -> str:
-    stats = [getattr(layer.token_dispatcher, "last_stats", None) for layer in layers]
-    stats = [s for s in stats if s is not None]
-    if not stats:
-        return "plain EP"
-    active = sum(s.mode == "llep" for s in stats)
-    before = max(s.max_mean_before for s in stats)
-    after = max(s.max_mean_after for s in stats)
-    spilled = sum(s.spilled_tokens for s in stats)
-    copies = sum(s.weight_transfers for s in stats)
-    weight_kb = sum(s.weight_bytes for s in stats) / 1024
-    plan_ms = sum(s.plan_time_s for s in stats) * 1e3
-    return (
-        f"LLEP {active}/{len(stats)} layers spilled, max/mean {before:.2f} -> {after:.2f}, "
-        f"{spilled} tokens spilled, {copies} weight copies ({weight_kb:.0f} KiB), plan {plan_ms:.2f} ms"
-    )
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of the masked per-token losses and the token count (Megatron's per-token-loss form)."""
+    loss = (output_tensor.float() * loss_mask).sum()
+    num_tokens = loss_mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.detach().float()])}
 
 
-def train(args: argparse.Namespace) -> list[float]:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
+def _forward_step(device: torch.device, layers: list, args: argparse.Namespace, config, state: dict,
+                  data_iterator, model):
     from megatron_llep.scenarios import force_routing, imbalanced_topk
 
+    batch = next(data_iterator)
+    tokens = torch.from_numpy(batch["tokens"]).to(device)
+    labels = torch.from_numpy(batch["labels"]).to(device)
+    loss_mask = torch.from_numpy(batch["loss_mask"]).to(device)
+    position_ids = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    if args.force_routing:
+        fraction, hot = args.force_routing
+        state["microbatch"] += 1
+        for i, layer in enumerate(layers):
+            seed = args.seed + 1_000_003 * state["microbatch"] + 1009 * dist.get_rank() + i
+            ids = imbalanced_topk(tokens.numel(), config.num_moe_experts, config.moe_router_topk, fraction, hot, seed=seed)
+            force_routing(layer.router, ids)
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss_func, loss_mask)
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop agrees on it across ranks after each step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum, _frame) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _llep_summary(metrics: dict[str, float]) -> str:
+    active = [k for k in metrics if k.endswith("/llep_active")]
+    if not active:
+        return "plain EP"
+    spilled = sum(metrics[k.replace("llep_active", "spilled_tokens")] for k in active)
+    before = max(metrics[k.replace("llep_active", "max_mean_before")] for k in active)
+    after = max(metrics[k.replace("llep_active", "max_mean_after")] for k in active)
+    weight_kib = sum(metrics[k.replace("llep_active", "weight_bytes")] for k in active) / 1024
+    plan_ms = sum(metrics[k.replace("llep_active", "plan_time_ms")] for k in active)
+    spilling = sum(metrics[k] > 0 for k in active)
+    return (f"LLEP {spilling}/{len(active)} layers spilled, max/mean {before:.2f} -> {after:.2f}, "
+            f"{spilled:.0f} tokens spilled, {weight_kib:.0f} KiB weights, plan {plan_ms:.2f} ms")
+
+
+def _load_placement(path: str):
+    from megatron_llep.placement import ExpertPlacement
+
+    try:
+        return ExpertPlacement.load(path)
+    except (ValueError, KeyError) as err:
+        raise ConfigError(f"--placement {path}: {err}") from None
+
+
+def _fail(err: Exception, rank: int) -> None:
+    """Bad input found on every rank alike: one message, exit status 2, no traceback."""
+    if rank == 0:
+        print(f"[finetune] error: {err}", file=sys.stderr, flush=True)
+    dist.destroy_process_group()
+    raise SystemExit(2)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the fine-tuning loop; returns a summary (last loss, steps run, checkpoint) on every rank."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from recipes import checkpointing, dashboard
+
     rank, world, device = init_distributed()
-    ep = args.expert_model_parallel_size or world
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    is_logger = rank == world - 1  # holds the last pipeline stage (and its loss)
+    try:
+        tokenizer = sft_data.load_tokenizer(args.tokenizer)
+        samples = sft_data.read_sft_jsonl(args.data, tokenizer)
+        dataset = sft_data.PackedSFTDataset(samples, args.seq_length, seed=args.seed)
+        num_experts = RECIPES[args.recipe](cpu=device.type == "cpu").config.num_moe_experts
+        layout = parallel_layout(args, world, num_experts)
+    except (sft_data.DataError, ConfigError) as err:
+        _fail(err, rank)
+
+    parallel_state.initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=layout["ep"],
+                                             expert_tensor_parallel_size=1)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    model, optimizer, config = build_model(args, ep)
+    try:
+        placement = _load_placement(args.placement) if args.placement else None
+        recipe, model, optimizer, scheduler = build(args, layout, device, tokenizer.vocab_size, placement)
+    except ConfigError as err:
+        _fail(err, rank)
+    config = recipe.config
     layers = _moe_layers(model)
-    tokens_per_step = args.micro_batch_size * args.seq_length * world
-    if rank == 0:
-        mode = "LLEP" if args.llep else "plain EP"
-        print(f"[finetune] recipe={args.recipe} world={world} EP={ep} {mode} on {device.type}; "
-              f"{len(layers)} MoE layers x {config.num_moe_experts} experts, top-{config.moe_router_topk}", flush=True)
-        if args.force_routing:
-            print(f"[finetune] forcing routing: {args.force_routing[0]:.0%} of tokens into {args.force_routing[1]} hot expert(s)", flush=True)
 
-    losses = []
-    for step in range(1, args.train_iters + 1):
-        gen = torch.Generator().manual_seed(args.seed + 7919 * step + rank)
-        tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=gen)
-        inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-        position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0).expand_as(inputs)
+    run_info = dict(recipe=args.recipe, seq_length=args.seq_length, world_size=world, llep=args.llep,
+                    tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
+                    expert_model_parallel_size=layout["ep"], data_parallel_size=layout["dp"],
+                    global_batch_size=layout["global_batch"], micro_batch_size=args.micro_batch_size)
+    progress = checkpointing.TrainingProgress()
+    # --load == --save with nothing saved yet is the first run of a resumable job: start fresh
+    first_run = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save) \
+        and checkpointing.latest_iteration(args.load) is None
+    if args.load and not first_run:
+        try:
+            progress = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, run_info, RESUME_MUST_MATCH,
+                                                    placement)
+        except checkpointing.CheckpointError as err:
+            _fail(err, rank)
+        if is_logger:
+            print(f"[finetune] resumed from {args.load} at iteration {progress.iteration} "
+                  f"({progress.consumed_samples} samples consumed)", flush=True)
+
+    flops_per_token = dashboard.model_flops_per_token(model, config, args.seq_length)
+    load_meter = dashboard.MoELoadMeter(model)
+    wandb_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else os.path.join("runs", "wandb"))
+    wandb_board = dashboard.WandbDashboard(
+        project=args.wandb_project, name=args.wandb_exp_name or f"finetune-{args.recipe}", directory=wandb_dir,
+        mode=args.wandb_mode if args.wandb_project else "disabled", config=dict(vars(args), **run_info),
+    ) if args.wandb_project else dashboard.WandbDashboard("", "", "", "disabled", {})
+    if is_logger:
+        print(f"[finetune] {recipe.name} on {world} {device.type} ranks: TP={layout['tp']} PP={layout['pp']} "
+              f"EP={layout['ep']} DP={layout['dp']}, {'LLEP' if args.llep else 'plain EP'}; {len(samples)} samples, "
+              f"{dataset.num_windows} sequences of {args.seq_length}; global batch {layout['global_batch']} = "
+              f"{layout['num_microbatches']} micro-batch(es) x {args.micro_batch_size} x DP {layout['dp']}", flush=True)
         if args.force_routing:
-            fraction, hot = args.force_routing
-            for i, layer in enumerate(layers):
-                ids = imbalanced_topk(inputs.numel(), config.num_moe_experts, config.moe_router_topk, fraction, hot,
-                                      seed=args.seed + 1000 * step + 10 * rank + i)
-                force_routing(layer.router, ids)
+            print(f"[finetune] forcing routing: {args.force_routing[0]:.0%} of tokens into "
+                  f"{args.force_routing[1]} hot expert(s)", flush=True)
+
+    forward_backward = get_forward_backward_func()
+    step_state = {"microbatch": 0}  # forced-routing seeds: a function of (iteration, micro-batch), resumable
+    forward_step = partial(_forward_step, device, layers, args, config, step_state)
+    stop = _StopRequest()
+    tokens_per_step = layout["global_batch"] * args.seq_length
+    last_loss = math.nan
+    last_saved = None
+    while progress.iteration < args.train_iters:
+        iterator = sft_data.micro_batches(dataset, progress.consumed_samples, args.micro_batch_size,
+                                          parallel_state.get_data_parallel_rank(), layout["dp"])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
+        step_state["microbatch"] = progress.iteration * layout["num_microbatches"]
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = model(inputs, position_ids, None, labels=labels).float().mean()
-        loss.backward()
-        model.finish_grad_sync()
-        optimizer.step()
-        loss_value = loss.detach().clone()
-        dist.all_reduce(loss_value)
+        reported = forward_backward(
+            forward_step_func=forward_step, data_iterator=iterator, model=[model],
+            num_microbatches=layout["num_microbatches"], seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=False,
+        )
+        _, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        losses.append(float(loss_value) / world)
-        if rank == 0:
-            print(f"[finetune] step {step}/{args.train_iters} | loss {losses[-1]:.4f} | "
-                  f"{tokens_per_step / elapsed:,.0f} tokens/s ({tokens_per_step / elapsed / world:,.0f}/rank) | "
-                  f"step {elapsed:.3f} s | {_llep_summary(layers)}", flush=True)
+        progress.iteration += 1
+        progress.consumed_samples += layout["global_batch"]
+
+        if parallel_state.is_pipeline_last_stage():
+            totals = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+            last_loss = float(totals[0] / totals[1].clamp(min=1))
+        if progress.iteration % args.log_interval == 0 or progress.iteration == args.train_iters:
+            peak = torch.tensor([float(dashboard.peak_memory_bytes())], device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            moe_metrics, heatmap, heat_layers = dashboard.gather_moe_metrics(load_meter)
+            metrics = {
+                "train/loss": last_loss,
+                "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                "train/lr": optimizer.param_groups[0]["lr"],
+                "time/step_s": elapsed,
+                "throughput/tokens_per_sec": tokens_per_step / elapsed,
+                "throughput/tokens_per_sec_per_gpu": tokens_per_step / elapsed / world,
+                "throughput/tflops_per_gpu": flops_per_token * tokens_per_step / elapsed / world / 1e12,
+                "memory/peak_gib": peak.item() / 2**30,
+                **moe_metrics,
+            }
+            show_heatmap = progress.iteration % args.heatmap_interval == 0 or progress.iteration == args.train_iters
+            wandb_board.log(progress.iteration, metrics, heatmap if show_heatmap else None, heat_layers)
+            if is_logger:
+                print(f"[finetune] step {progress.iteration}/{args.train_iters} | loss {last_loss:.4f} | "
+                      f"grad norm {metrics['train/grad_norm']:.3f} | lr {metrics['train/lr']:.2e} | "
+                      f"{metrics['throughput/tokens_per_sec']:,.0f} tokens/s "
+                      f"({metrics['throughput/tokens_per_sec_per_gpu']:,.0f}/GPU, "
+                      f"{metrics['throughput/tflops_per_gpu']:.3f} TFLOP/s/GPU) | step {elapsed:.3f} s | "
+                      f"peak {metrics['memory/peak_gib']:.2f} GiB | {_llep_summary(metrics)}", flush=True)
+        stopping = stop.agreed(device) or bool(args.exit_interval and progress.iteration % args.exit_interval == 0)
+        if args.save and (stopping or (args.save_interval and progress.iteration % args.save_interval == 0)):
+            last_saved = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement)
+        if stopping:
+            if is_logger and progress.iteration < args.train_iters:
+                print(f"[finetune] stopping at iteration {progress.iteration} of {args.train_iters}", flush=True)
+            break
+    if args.save and progress.iteration != checkpointing.latest_iteration(args.save):
+        last_saved = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement)
+    if is_logger and last_saved:
+        print(f"[finetune] saved {last_saved}", flush=True)
+    wandb_board.finish()
+    summary = dict(iteration=progress.iteration, loss=last_loss, checkpoint=last_saved, wandb_dir=wandb_board.run_dir)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    return losses
+    return summary
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

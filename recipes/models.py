@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from megatron_llep.compat.local_mla_attention import use_local_mla_attention
+
 try:  # Transformer Engine is an optional GPU extra
     import transformer_engine  # noqa: F401
 
@@ -61,7 +63,10 @@ class Recipe:
         use_te = HAVE_TE if use_transformer_engine is None else use_transformer_engine
         if use_te and not HAVE_TE:
             raise RuntimeError(f"{self.name}: use_transformer_engine=True but transformer-engine is not installed")
-        return get_gpt_decoder_block_spec(self.config, use_transformer_engine=use_te, normalization=self.config.normalization)
+        spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=use_te, normalization=self.config.normalization)
+        if self.config.multi_latent_attention and not use_te:
+            use_local_mla_attention(spec)
+        return spec
 
     def mtp_spec(self, decoder_spec, use_transformer_engine: Optional[bool] = None):
         """Multi-token-prediction block spec (``None`` without MTP layers)."""
@@ -70,7 +75,10 @@ class Recipe:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         use_te = HAVE_TE if use_transformer_engine is None else use_transformer_engine
-        return get_gpt_mtp_block_spec(self.config, decoder_spec, use_transformer_engine=use_te)
+        spec = get_gpt_mtp_block_spec(self.config, decoder_spec, use_transformer_engine=use_te)
+        if self.config.multi_latent_attention and not use_te:
+            use_local_mla_attention(spec)
+        return spec
 
     def gpt_model_kwargs(self) -> dict:
         return dict(
@@ -90,6 +98,7 @@ def _parallel_and_precision(ep_size: int, tp_size: int, pp_size: int, dtype: tor
         expert_tensor_parallel_size=1,
         sequence_parallel=tp_size > 1,
         params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=False,
         use_cpu_initialization=cpu,
@@ -176,7 +185,7 @@ def deepseek_v3(
     cpu: bool = False,
 ) -> Recipe:
     """DeepSeek-V3 (61 layers, the first 3 dense, 256 routed experts + 1 shared, MLA, MTP), or
-    ``tiny`` (same architecture at CPU size: 3 layers with the first dense, 8 experts)."""
+    ``tiny`` (same architecture at CPU size: 4 layers with the first dense, 8 experts)."""
     if variant == "671b":
         size = dict(num_layers=61, hidden_size=7168, ffn_hidden_size=18432, moe_ffn_hidden_size=2048,
                     num_moe_experts=256, moe_shared_expert_intermediate_size=2048, num_attention_heads=128,
@@ -184,7 +193,7 @@ def deepseek_v3(
                     moe_router_num_groups=8, moe_router_group_topk=4, moe_router_topk=8)
         dense_layers, vocab, seq = 3, 129280, 163840
     elif variant == "tiny":
-        size = dict(num_layers=3, hidden_size=64, ffn_hidden_size=128, moe_ffn_hidden_size=32,
+        size = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, moe_ffn_hidden_size=32,
                     num_moe_experts=8, moe_shared_expert_intermediate_size=32, num_attention_heads=4,
                     q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                     moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk=2)
@@ -257,34 +266,6 @@ RECIPES: dict[str, Callable[..., Recipe]] = {
     "deepseek-v3": lambda **kw: deepseek_v3("671b", **kw),
     "deepseek-v3-tiny": lambda **kw: deepseek_v3("tiny", **kw),
 }
-
-
-def tiny_moe(ep_size: int, num_experts: int = 8, topk: int = 2, num_layers: int = 2) -> TransformerConfig:
-    """A CPU-sized GPT with MoE layers (SwiGLU experts), for the default job and tests."""
-    return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=64,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
-        num_moe_experts=num_experts,
-        moe_ffn_hidden_size=48,
-        moe_router_topk=topk,
-        moe_router_pre_softmax=topk == 1,
-        moe_token_dispatcher_type="alltoall",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_enable_routing_replay=True,
-        expert_model_parallel_size=ep_size,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        normalization="RMSNorm",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        gradient_accumulation_fusion=False,
-    )
 
 
 def config_fields(config: TransformerConfig) -> dict:

@@ -1,0 +1,197 @@
+"""Throughput and MoE-balance dashboards: per-step metrics for stdout and wandb.
+
+Only the last rank logs to wandb (as Megatron-LM does: it holds the last pipeline stage's loss);
+every rank contributes its MoE routing loads and LLEP statistics through a gather at log time.
+wandb runs offline unless ``WANDB_MODE``/``--wandb-mode`` says otherwise; offline runs can be read
+back with :func:`megatron_llep.testing.wandb_offline.read_history`.
+
+Metric names (wandb keys):
+
+* ``throughput/tokens_per_sec``, ``throughput/tokens_per_sec_per_gpu``, ``throughput/tflops_per_gpu``
+  (model FLOPs, see :func:`model_flops_per_token`), ``time/step_s``
+* ``train/loss`` (per-token mean over the global batch), ``train/grad_norm``, ``train/lr``
+* ``memory/peak_gib`` (max over ranks: CUDA max allocated, or the process's peak RSS on CPU)
+* ``moe/layer_<n>/{max_mean_before,max_mean_after,spilled_tokens,weight_bytes,plan_time_ms,llep_active}``
+  (LLEP layers; averaged over micro-batches and EP groups) and ``moe/layer_<n>/max_mean_load``
+  (routing load of every MoE layer, LLEP or not)
+* ``moe/expert_load_heatmap``: image, MoE layers x experts, load / mean load, every N steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from megatron_llep.metrics import STATS
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak memory: CUDA max allocated on GPU, peak RSS (VmHWM) on CPU."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def model_flops_per_token(model: torch.nn.Module, config, seq_length: int) -> float:
+    """Training FLOPs per token (3x forward) of the whole model, from the parameters it holds.
+
+    Forward: 2 FLOPs per *active* matmul weight (all dense weights incl. the output layer; routed
+    expert weights times top-k / num_experts; not the embedding lookup) plus attention scores and
+    context, ``2 * seq * heads * (qk_head + v_head)`` per layer (full, not causal, as Megatron-LM
+    counts; sliding windows are not discounted). Parameters are counted across all ranks (each is
+    held once per data-parallel replica). Collective over the world group.
+    """
+    dense = expert = 0
+    for name, param in model.named_parameters():
+        if "word_embeddings" in name or "position_embeddings" in name:
+            continue
+        if getattr(param, "allreduce", True):
+            dense += param.numel()
+        else:
+            expert += param.numel()
+    counts = torch.tensor([dense, expert], dtype=torch.float64)
+    dist.all_reduce(counts)
+    world = dist.get_world_size()
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    ep, etp = config.expert_model_parallel_size, config.expert_tensor_parallel_size or 1
+    dense_total = counts[0].item() / (world // (tp * pp))
+    expert_total = counts[1].item() / (world // (pp * ep * etp))
+    active = dense_total + expert_total * config.moe_router_topk / max(config.num_moe_experts or 1, 1)
+    if config.multi_latent_attention:
+        head_width = config.qk_head_dim + config.qk_pos_emb_head_dim + config.v_head_dim
+    else:
+        head_width = 2 * config.kv_channels
+    attention = 2 * seq_length * config.num_attention_heads * head_width * config.num_layers
+    return 3.0 * (2.0 * active + attention)
+
+
+class MoELoadMeter:
+    """Counts the tokens every MoE router sends to each expert (a forward hook on the router's
+    routing map), in both LLEP and plain-EP runs, for the load metrics and the heatmap."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._counts: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for module in model.modules():
+            if isinstance(module, MoELayer):
+                self._handles.append(module.router.register_forward_hook(self._hook(module)))
+
+    def _hook(self, layer: MoELayer):
+        def record(_router, _inputs, outputs) -> None:
+            routing_map = outputs[1]
+            counts = routing_map.detach().sum(dim=0).to("cpu", torch.float64)
+            key = int(layer.layer_number)
+            self._counts[key] = self._counts.get(key, 0) + counts
+
+        return record
+
+    def drain(self) -> dict[int, np.ndarray]:
+        """This rank's counts since the last drain, by global layer number."""
+        counts, self._counts = self._counts, {}
+        return {layer: c.numpy() for layer, c in counts.items()}
+
+
+def _llep_layer_summary() -> dict[int, dict[str, float]]:
+    """This rank's LLEP statistics since the last drain, averaged over micro-batches per layer."""
+    summary = {}
+    for layer, steps in STATS.drain().items():
+        if layer is None or not steps:
+            continue
+        summary[int(layer)] = {
+            "max_mean_before": float(np.mean([s.max_mean_before for s in steps])),
+            "max_mean_after": float(np.mean([s.max_mean_after for s in steps])),
+            "spilled_tokens": float(sum(s.spilled_tokens for s in steps)),
+            "weight_bytes": float(sum(s.weight_bytes for s in steps)),
+            "plan_time_ms": 1e3 * float(sum(s.plan_time_s for s in steps)),
+            "llep_active": float(np.mean([s.mode == "llep" for s in steps])),
+        }
+    return summary
+
+
+def gather_moe_metrics(load_meter: MoELoadMeter) -> tuple[dict[str, float], Optional[np.ndarray], list[int]]:
+    """Collective: merge every rank's routing loads (summed) and LLEP statistics (averaged over
+    the ranks reporting a layer). Returns the scalar metrics, the [layers, experts] load matrix
+    normalised by each layer's mean (or ``None`` without MoE layers) and its layer numbers."""
+    local = {"loads": load_meter.drain(), "llep": _llep_layer_summary()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    loads: dict[int, np.ndarray] = {}
+    llep: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for entry in gathered:
+        for layer, counts in entry["loads"].items():
+            loads[layer] = loads.get(layer, 0) + counts
+        for layer, row in entry["llep"].items():
+            for key, value in row.items():
+                llep[layer][key].append(value)
+    metrics: dict[str, float] = {}
+    for layer in sorted(llep):
+        for key, values in llep[layer].items():
+            metrics[f"moe/layer_{layer}/{key}"] = float(np.mean(values))
+    layers = sorted(loads)
+    if not layers:
+        return metrics, None, []
+    matrix = np.stack([loads[layer] / max(loads[layer].mean(), 1e-12) for layer in layers])
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    for layer, row in zip(layers, matrix):
+        metrics[f"moe/layer_{layer}/max_mean_load"] = float(row.reshape(ep, -1).sum(axis=1).max() / (row.sum() / ep))
+    return metrics, matrix, layers
+
+
+def heatmap_rgb(matrix: np.ndarray, cell: int = 12) -> np.ndarray:
+    """A [layers, experts] load matrix as an RGB image (dark = cold, yellow = hot; scale 0..max),
+    without plotting libraries."""
+    scaled = matrix / max(float(matrix.max()), 1e-12)
+    stops = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=float)
+    position = scaled * (len(stops) - 1)
+    low = np.clip(np.floor(position).astype(int), 0, len(stops) - 2)
+    frac = (position - low)[..., None]
+    rgb = stops[low] * (1 - frac) + stops[low + 1] * frac
+    return np.kron(rgb, np.ones((cell, cell, 1))).astype(np.uint8)
+
+
+class WandbDashboard:
+    """wandb on the last rank only; a no-op elsewhere and when ``mode == "disabled"``."""
+
+    def __init__(self, project: str, name: str, directory: str, mode: Optional[str], config: dict[str, Any]):
+        self.run = None
+        if dist.get_rank() != dist.get_world_size() - 1:
+            return
+        mode = mode or os.environ.get("WANDB_MODE") or "offline"
+        if mode == "disabled":
+            return
+        if not name:
+            raise ValueError("--wandb-exp-name must not be empty")
+        import wandb
+
+        os.makedirs(directory, exist_ok=True)
+        self._wandb = wandb
+        self.run = wandb.init(project=project, name=name, dir=directory, mode=mode, config=config)
+
+    @property
+    def run_dir(self) -> Optional[str]:
+        return None if self.run is None else self.run.dir
+
+    def log(self, step: int, metrics: dict[str, float], heatmap: Optional[np.ndarray] = None, layers=()) -> None:
+        if self.run is None:
+            return
+        row: dict[str, Any] = dict(metrics)
+        if heatmap is not None:
+            caption = f"expert load / mean, rows = MoE layers {list(layers)}, step {step}"
+            row["moe/expert_load_heatmap"] = self._wandb.Image(heatmap_rgb(heatmap), caption=caption)
+        self.run.log(row, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
