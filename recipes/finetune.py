@@ -132,7 +132,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
     compatibility layer on CPU."""
     from recipes.launch_env import rendezvous_env_from_slurm
 
-    rendezvous_env_from_slurm()
+    try:
+        rendezvous_env_from_slurm()
+    except ValueError as err:  # inconsistent SLURM_* variables
+        raise SystemExit(f"[finetune] error: {err}") from None
     if "RANK" not in os.environ:
         raise SystemExit("run me under torchrun (python -m torch.distributed.run --nproc_per_node 2 recipes/finetune.py) "
                          "or srun (see launch/)")
