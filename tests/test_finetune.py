@@ -171,3 +171,30 @@ def test_cap_placement_keeps_the_model_function(tmp_path):
     assert saved is not None and saved.to_json()["layers"] == placement.to_json()["layers"]
     proc = _torchrun(*SMALL, "--load", str(tmp_path / "ckpt"), "--train-iters", "3")  # without the placement
     assert proc.returncode != 0 and "placement" in proc.stderr
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
+    """Preemption (slurm sends SIGTERM; torchrun forwards it): the ranks finish the step, agree,
+    save a complete checkpoint and stop; the next run resumes from it."""
+    import signal
+
+    ckpt = str(tmp_path / "ckpt")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", SCRIPT, *SMALL,
+           "--train-iters", "100000", "--save", ckpt]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("[finetune] step 2/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, _ = proc.communicate(timeout=120)
+    stopped = [line for line in (seen + out.splitlines(keepends=True)) if "stopping at iteration" in line]
+    assert stopped, out[-2000:]
+    iteration = int(stopped[0].split("stopping at iteration ")[1].split()[0])
+    assert iteration >= 2
+    assert sorted(os.listdir(ckpt)) == [f"iter_{iteration:07d}", "latest_checkpointed_iteration.txt"]
+    resumed = _torchrun(*SMALL, "--train-iters", str(iteration + 1), "--load", ckpt)
+    assert f"resumed from {ckpt} at iteration {iteration}" in resumed.stdout
+    assert len(_ok(resumed)) == 1
