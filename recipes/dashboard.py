@@ -164,7 +164,7 @@ def heatmap_rgb(matrix: np.ndarray, cell: int = 12) -> np.ndarray:
 class WandbDashboard:
     """wandb on the last rank only; a no-op elsewhere and when ``mode == "disabled"``."""
 
-    def __init__(self, project: str, name: str, directory: str, mode: Optional[str], config: dict[str, Any]):
+    def __init__(self, project: Optional[str], name: str, directory: str, mode: Optional[str], config: dict[str, Any]):
         self.run = None
         if dist.get_rank() != dist.get_world_size() - 1:
             return

@@ -323,6 +323,16 @@ def _llep_summary(metrics: dict[str, float]) -> str:
             f"{spilled:.0f} tokens spilled, {weight_kib:.0f} KiB weights, plan {plan_ms:.2f} ms")
 
 
+def _save(args, model, optimizer, scheduler, progress, run_info: dict, placement, is_logger: bool) -> str:
+    from recipes import checkpointing
+
+    start = time.perf_counter()
+    directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement)
+    if is_logger:
+        print(f"[finetune] saved {directory} in {time.perf_counter() - start:.1f} s", flush=True)
+    return directory
+
+
 def _load_placement(path: str):
     from megatron_llep.placement import ExpertPlacement
 
@@ -395,7 +405,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     wandb_board = dashboard.WandbDashboard(
         project=args.wandb_project, name=args.wandb_exp_name or f"finetune-{args.recipe}", directory=wandb_dir,
         mode=args.wandb_mode if args.wandb_project else "disabled", config=dict(vars(args), **run_info),
-    ) if args.wandb_project else dashboard.WandbDashboard("", "", "", "disabled", {})
+    )
     if is_logger:
         print(f"[finetune] {recipe.name} on {world} {device.type} ranks: TP={layout['tp']} PP={layout['pp']} "
               f"EP={layout['ep']} DP={layout['dp']}, {'LLEP' if args.llep else 'plain EP'}; {len(samples)} samples, "
@@ -464,15 +474,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                       f"peak {metrics['memory/peak_gib']:.2f} GiB | {_llep_summary(metrics)}", flush=True)
         stopping = stop.agreed(device) or bool(args.exit_interval and progress.iteration % args.exit_interval == 0)
         if args.save and (stopping or (args.save_interval and progress.iteration % args.save_interval == 0)):
-            last_saved = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement)
+            last_saved = _save(args, model, optimizer, scheduler, progress, run_info, placement, is_logger)
         if stopping:
             if is_logger and progress.iteration < args.train_iters:
                 print(f"[finetune] stopping at iteration {progress.iteration} of {args.train_iters}", flush=True)
             break
     if args.save and progress.iteration != checkpointing.latest_iteration(args.save):
-        last_saved = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement)
-    if is_logger and last_saved:
-        print(f"[finetune] saved {last_saved}", flush=True)
+        last_saved = _save(args, model, optimizer, scheduler, progress, run_info, placement, is_logger)
     wandb_board.finish()
     summary = dict(iteration=progress.iteration, loss=last_loss, checkpoint=last_saved, wandb_dir=wandb_board.run_dir)
     parallel_state.destroy_model_parallel()
