@@ -95,14 +95,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     llep.add_argument("--llep-imbalance-threshold", type=float, default=1.3, help="lambda")
     llep.add_argument("--llep-cost-aware", action="store_true", help="veto spills the cost model predicts unprofitable")
     llep.add_argument("--ranks-per-node", type=int, default=None, help="prefer helpers inside a node of this size")
-    parser.add_argument("--placement", default=None, help="CAP placement file (python -m megatron_llep.placement)")
+    cap = parser.add_argument_group("CAP expert placement (docs/placement.md)")
+    cap.add_argument("--placement", default=None, help="placement file (python -m megatron_llep.placement plan ...)")
+    cap.add_argument("--record-routing-trace", default=None, metavar="DIR",
+                     help="record every MoE router's choices; each rank writes DIR/trace_rank<r>.npz at the end")
+    cap.add_argument("--trace-tokens-per-layer", type=int, default=16384,
+                     help="bound on the recorded tokens per layer and rank (a uniform sample beyond it)")
     parser.add_argument(
         "--force-routing", default=None, metavar="F:H",
         help="demo/benchmark only: force a fraction F of tokens into H hot experts (Megatron router replay)",
     )
     args = parser.parse_args(argv)
     positive = ("train_iters", "micro_batch_size", "seq_length", "log_interval", "heatmap_interval",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size")
+                "trace_tokens_per_layer", "tensor_model_parallel_size", "pipeline_model_parallel_size")
     for name in positive:
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -399,6 +404,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[finetune] resumed from {args.load} at iteration {progress.iteration} "
                   f"({progress.consumed_samples} samples consumed)", flush=True)
 
+    recorder = None
+    if args.record_routing_trace:
+        from megatron_llep.placement import RoutingTraceRecorder
+
+        recorder = RoutingTraceRecorder(model, max_tokens_per_layer=args.trace_tokens_per_layer, seed=args.seed + rank)
+        recorder.start()
     flops_per_token = dashboard.model_flops_per_token(model, config, args.seq_length)
     load_meter = dashboard.MoELoadMeter(model)
     wandb_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else os.path.join("runs", "wandb"))
@@ -481,6 +492,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             break
     if args.save and progress.iteration != checkpointing.latest_iteration(args.save):
         last_saved = _save(args, model, optimizer, scheduler, progress, run_info, placement, is_logger)
+    if recorder is not None:
+        recorder.stop()
+        os.makedirs(args.record_routing_trace, exist_ok=True)
+        recorder.trace().save(os.path.join(args.record_routing_trace, f"trace_rank{rank}.npz"))
+        dist.barrier()
+        if is_logger:
+            print(f"[finetune] routing traces in {args.record_routing_trace}; plan a placement with: python -m "
+                  f"megatron_llep.placement plan {args.record_routing_trace}/trace_rank*.npz --ep-size {layout['ep']} "
+                  f"--out placement.json", flush=True)
     wandb_board.finish()
     summary = dict(iteration=progress.iteration, loss=last_loss, checkpoint=last_saved, wandb_dir=wandb_board.run_dir)
     parallel_state.destroy_model_parallel()

@@ -161,7 +161,16 @@ def test_cap_placement_keeps_the_model_function(tmp_path):
     path = str(tmp_path / "placement.json")
     placement.save(path)
     common = [*SMALL, "--train-iters", "2", "--wandb-project", "t"]
-    _ok(_torchrun(*common, "--wandb-save-dir", str(tmp_path / "plain")))
+    traces = tmp_path / "traces"
+    _ok(_torchrun(*common, "--wandb-save-dir", str(tmp_path / "plain"), "--record-routing-trace", str(traces),
+                  "--trace-tokens-per-layer", "100"))
+    # the recorded traces plan a placement with the CLI: the record -> plan -> apply workflow
+    files = sorted(str(p) for p in traces.glob("trace_rank*.npz"))
+    assert len(files) == 2
+    planned = subprocess.run([sys.executable, "-m", "megatron_llep.placement", "plan", *files, "--ep-size", "2",
+                              "--out", str(tmp_path / "planned.json")], cwd=ROOT, capture_output=True, text=True)
+    assert planned.returncode == 0, planned.stderr
+    assert sorted(ExpertPlacement.load(str(tmp_path / "planned.json")).layers) == [1, 2]
     _ok(_torchrun(*common, "--placement", path, "--save", str(tmp_path / "ckpt"), "--wandb-save-dir", str(tmp_path / "placed")))
     unplaced, placed = _history(tmp_path / "plain")[0], _history(tmp_path / "placed")[0]
     for step in (1, 2):
