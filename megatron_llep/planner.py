@@ -25,8 +25,8 @@ Spilled tokens of an expert are first taken from the helper's own routed tokens 
 
 from __future__ import annotations
 
-import functools
 import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -236,34 +236,19 @@ def plan_llep(
     before = loads.reshape(ep, local).sum(axis=1)
     total = int(loads.sum())
     capacity = config.alpha * total / ep
-    plain = LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
-    if total == 0 or ep == 1:
-        return plain
-    if before.max() * ep < config.imbalance_threshold * total:
-        return plain
+    if total == 0 or ep == 1 or before.max() * ep < config.imbalance_threshold * total:
+        return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
 
-    splits = _least_loaded_assignment(counts, loads, local, capacity, config, expert_shape)
+    splits = _least_loaded_assignment(counts, loads, before, capacity, config, expert_shape)
     if not splits:
-        plain.fallback = False
-        return plain
-    return _build_plan(counts, local, capacity, before, splits)
-
-
-@functools.lru_cache(maxsize=16)
-def _topology(ep: int, ranks_per_node: Optional[int]) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
-    """Node of every rank and, per rank, the other ranks of its node and the ranks of other nodes."""
-    node = [0] * ep if ranks_per_node is None else [r // ranks_per_node for r in range(ep)]
-    peers = [
-        ([g for g in range(ep) if node[g] == node[r] and g != r], [g for g in range(ep) if node[g] != node[r]])
-        for r in range(ep)
-    ]
-    return node, peers
+        return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
+    return _build_plan(counts, loads, local, capacity, before, splits)
 
 
 def _least_loaded_assignment(
     counts: np.ndarray,
     loads: np.ndarray,
-    local: int,
+    rank_loads_before: np.ndarray,
     capacity: float,
     config: LLEPConfig,
     shape: Optional[ExpertShape],
@@ -272,32 +257,36 @@ def _least_loaded_assignment(
 
     Plain Python ints on purpose: the loop is short and numpy's per-call overhead would dominate.
     """
-    ep = counts.shape[0]
+    ep, num_experts = counts.shape
+    local = num_experts // ep
     m = config.min_chunk_tokens
-    node, peers = _topology(ep, config.ranks_per_node)
+    ranks_per_node = config.ranks_per_node or ep  # None: all ranks share one node
     spill_pays = config.cost_model.spill_oracle(shape) if config.cost_aware else None
+    expert_loads = loads.tolist()
     # effective[g]: tokens assigned to g so far plus its native experts' load not yet visited
-    effective = loads.reshape(ep, local).sum(axis=1).tolist()
+    effective = rank_loads_before.tolist()
     slack_limit = capacity + m
     splits: dict[int, list[tuple[int, int]]] = {}
-    order = np.argsort(-loads, kind="stable")
-    rank_in_order = order // local
+
+    def visit_keys(g: int) -> list[int]:
+        """Keys of rank g's loaded experts; ascending keys are descending loads, ties by id."""
+        return [-expert_loads[e] * num_experts + e for e in range(g * local, (g + 1) * local) if expert_loads[e] > 0]
+
     # A rank whose effective load never exceeds the capacity keeps every native expert whole, so
     # only the experts of ranks that are (or become) overloaded are visited, in load order.
     overloaded = [load > capacity for load in effective]
-    to_visit = np.flatnonzero(np.asarray(overloaded)[rank_in_order] & (loads[order] > 0)).tolist()
+    to_visit = [key for g in range(ep) if overloaded[g] for key in visit_keys(g)]
     heapq.heapify(to_visit)
-
-    def now_overloaded(g: int, position: int) -> None:
-        overloaded[g] = True
-        later = np.flatnonzero((rank_in_order == g) & (loads[order] > 0))
-        for later_position in later[later > position].tolist():
-            heapq.heappush(to_visit, later_position)
+    # Ranks with room for one more token, in rank order: only they can be helpers (a chunk has at
+    # least one token). A rank's room only shrinks, except while its own expert is visited, which
+    # happens once it is overloaded and leaves it with under one token of room; so a rank that
+    # leaves this set never comes back.
+    open_ranks = dict.fromkeys([g for g in range(ep) if capacity - effective[g] >= 1])
 
     while to_visit:
-        position = heapq.heappop(to_visit)
-        e = int(order[position])
-        load = int(loads[e])
+        key = heapq.heappop(to_visit)
+        e = key % num_experts
+        load = expert_loads[e]
         n = e // local
         effective[n] -= load
         keep = min(load, max(0, math.floor(capacity - effective[n])))
@@ -314,42 +303,45 @@ def _least_loaded_assignment(
             remaining -= keep
         # Helpers in ascending effective load, native node first. A helper's load only grows when
         # this expert fills it, so the order holds for the whole expert and one pass suffices.
-        same, other = peers[n]
-        candidates = sorted(same, key=effective.__getitem__) + sorted(other, key=effective.__getitem__)
+        by_load = sorted(open_ranks, key=effective.__getitem__)
+        home = n // ranks_per_node
+        candidates = [g for g in by_load if g // ranks_per_node == home]
+        candidates += [g for g in by_load if g // ranks_per_node != home]
         column = counts[:, e].tolist()
         cursor = 0
         while remaining > 0:
             need = min(remaining, m) if m > 0 else 1
             if need < m:
                 cursor = 0  # a smaller final piece may fit ranks skipped for lack of room
-            helper = None
-            while cursor < len(candidates):
-                g = candidates[cursor]
-                if capacity - effective[g] >= need:
-                    helper = g
-                    break
+            while cursor < len(candidates) and capacity - effective[candidates[cursor]] < need:
                 cursor += 1
-            if helper is None:
+            if cursor < len(candidates):
+                helper = candidates[cursor]
+                take = min(remaining, math.floor(capacity - effective[helper]))
+            else:
                 # Nobody has room for a worthwhile chunk: the least-loaded rank takes up to cap + m
                 # (at least one token, so integer rounding cannot stall); past that, everything.
                 helper = min(range(ep), key=effective.__getitem__)
                 slack = slack_limit - effective[helper]
                 take = min(remaining, max(math.ceil(slack), 1)) if slack > 0 else remaining
-            else:
-                take = min(remaining, math.floor(capacity - effective[helper]))
             if helper != n and spill_pays is not None:
                 # Tokens from third ranks travel under plain EP too; only the native rank's own
                 # tokens (used once the helper's own and third-party ones run out) are new traffic.
                 own = min(column[helper], take)
                 from_third = min(third_party, take - own)
-                if not spill_pays(take, take - own - from_third, node[helper] != node[n], helper not in parts):
+                if not spill_pays(take, take - own - from_third, helper // ranks_per_node != home, helper not in parts):
                     helper, take = n, remaining
                 else:
                     third_party -= from_third
             parts[helper] = parts.get(helper, 0) + take
             effective[helper] += take
-            if effective[helper] > capacity and not overloaded[helper]:
-                now_overloaded(helper, position)
+            if capacity - effective[helper] < 1:
+                open_ranks.pop(helper, None)
+                if effective[helper] > capacity and not overloaded[helper]:
+                    overloaded[helper] = True
+                    for later in visit_keys(helper):
+                        if later > key:
+                            heapq.heappush(to_visit, later)
             remaining -= take
             if 0 < remaining < m and effective[n] + remaining <= slack_limit:
                 parts[n] = parts.get(n, 0) + remaining
@@ -362,20 +354,25 @@ def _least_loaded_assignment(
 
 def _build_plan(
     counts: np.ndarray,
+    loads: np.ndarray,
     local: int,
     capacity: float,
     before: np.ndarray,
     splits: dict[int, list[tuple[int, int]]],
 ) -> LLEPPlan:
     experts = sorted(splits)
-    rows = [(e, d, t) for e in experts for d, t in splits[e]]
-    split_expert, split_dst, split_tokens = (np.array(col, np.int64) for col in zip(*rows))
+    spilled = np.array(experts, np.int64)
+    # One row per (spilled expert, destination): the expert's index in ``spilled``, the expert,
+    # the destination and the tokens it computes; destinations ascending within an expert.
+    rows = [(i, e, d, t) for i, e in enumerate(experts) for d, t in splits[e]]
+    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4).T
+    split_expert, split_dst, split_tokens = rows[1], rows[2], rows[3]
     native = split_expert // local
     after = before.copy()
-    np.subtract.at(after, np.array(experts) // local, counts[:, experts].sum(axis=0))
+    np.subtract.at(after, spilled // local, loads[spilled])
     np.add.at(after, split_dst, split_tokens)
     helpers = split_dst != native
-    chunks = _transport(counts, np.array(experts, np.int64), split_expert, split_dst, split_tokens)
+    chunks = _transport(counts, spilled, rows)
     return LLEPPlan(
         counts=counts,
         num_local_experts=local,
@@ -383,7 +380,7 @@ def _build_plan(
         rank_loads_before=before,
         rank_loads_after=after,
         fallback=False,
-        spilled_experts=np.array(experts, np.int64),
+        spilled_experts=spilled,
         chunk_expert=chunks[0],
         chunk_src=chunks[1],
         chunk_dst=chunks[2],
@@ -394,44 +391,36 @@ def _build_plan(
     )
 
 
-def _transport(
-    counts: np.ndarray, experts: np.ndarray, split_expert: np.ndarray, split_dst: np.ndarray, split_tokens: np.ndarray
-) -> np.ndarray:
+def _transport(counts: np.ndarray, experts: np.ndarray, splits: np.ndarray) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
-    ``split_*`` list, expert by expert with destinations ascending, how many tokens each
-    destination computes. Returns ``[4, chunks]`` rows (expert, src, dst, count). Each destination
-    first takes its own routed tokens; the rest of every expert's supply is matched to the rest of
-    its demand in rank order (north-west corner) — all experts at once, since the running sums of
-    supply and demand meet at every expert boundary. Ranks are numbered node by node, so this keeps
-    traffic inside nodes where it can.
+    ``splits`` is ``[4, rows]`` (index into ``experts``, expert, destination, tokens), expert by
+    expert with destinations ascending: how many tokens each destination computes. Returns
+    ``[4, chunks]`` rows (expert, src, dst, count). Each destination first takes its own routed
+    tokens; the rest of every expert's supply is matched to the rest of its demand in rank order
+    (north-west corner) — all experts at once, since the running sums of supply and demand meet at
+    every expert boundary. Ranks are numbered node by node, so this keeps traffic inside nodes
+    where it can.
     """
-    row_of = {int(e): i for i, e in enumerate(experts.tolist())}
-    slot = np.array([row_of[e] for e in split_expert.tolist()], np.int64)
-    supply = counts[:, experts].T.copy()  # [spilled experts, src]
+    slot, split_expert, split_dst, split_tokens = splits
+    ep = counts.shape[0]
+    supply = counts.T[experts]  # [spilled experts, src], a copy
     own = np.minimum(supply[slot, split_dst], split_tokens)
     supply[slot, split_dst] -= own
     need = split_tokens - own
-    src_slot, src_rank = np.nonzero(supply)
-    parts = [np.stack([split_expert, split_dst, split_dst, own])[:, own > 0]]
-    if src_slot.size:
-        supply_end = np.cumsum(supply[src_slot, src_rank])
-        open_rows = need > 0
-        demand_end = np.cumsum(need[open_rows])
-        ends = np.concatenate([supply_end, demand_end])
-        ends.sort()
-        ends = ends[np.concatenate([[True], ends[1:] != ends[:-1]])]  # both sums increase strictly
-        starts = np.concatenate([[0], ends[:-1]])
-        from_supply = np.searchsorted(supply_end, starts, side="right")
-        from_demand = np.searchsorted(demand_end, starts, side="right")
-        parts.append(
-            np.stack(
-                [
-                    experts[src_slot[from_supply]],
-                    src_rank[from_supply],
-                    split_dst[open_rows][from_demand],
-                    ends - starts,
-                ]
-            )
-        )
-    return np.concatenate(parts, axis=1)
+    stays = np.array([split_expert, split_dst, split_dst, own])[:, own > 0]
+    supply = supply.ravel()
+    sources = np.flatnonzero(supply)  # slot * ep + src
+    if not sources.size:
+        return stays
+    supply_end = np.cumsum(supply[sources])
+    open_rows = need > 0
+    demand_end = np.cumsum(need[open_rows])
+    ends = np.concatenate([supply_end, demand_end])
+    ends.sort(kind="stable")  # two sorted runs: a linear merge
+    ends = ends[np.concatenate([[True], ends[1:] != ends[:-1]])]  # both sums increase strictly
+    starts = np.concatenate([[0], ends[:-1]])
+    source = sources[np.searchsorted(supply_end, starts, side="right")]
+    destination = split_dst[open_rows][np.searchsorted(demand_end, starts, side="right")]
+    moves = np.array([experts[source // ep], source % ep, destination, ends - starts])
+    return np.concatenate([stays, moves], axis=1)
