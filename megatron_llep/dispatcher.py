@@ -15,18 +15,18 @@ outputs are laid out exactly as plain EP's.
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel import all_to_all
-from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
 from megatron_llep.metrics import STATS, LLEPStepStats
@@ -73,9 +73,17 @@ class _RowPermutation:
         return permute_rows(x, self.inverse, self.forward)
 
 
+# Per-layer CUDA-graph regions that leave the MoE dispatch, experts and combine out of the graph.
+_GRAPHABLE_WITH_LLEP = {"attn", "mlp", "mamba"}
+
+
 def check_megatron_config(config: TransformerConfig, expert_tp_size: int) -> None:
     """Reject Megatron settings LLEP does not implement, saying what to change."""
     problems = []
+
+    def setting(name: str, default: Any = None) -> Any:  # fields that only some releases have
+        return getattr(config, name, default)
+
     if config.moe_token_dispatcher_type != "alltoall":
         problems.append(
             f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: LLEP extends the 'alltoall' dispatcher"
@@ -86,12 +94,36 @@ def check_megatron_config(config: TransformerConfig, expert_tp_size: int) -> Non
         problems.append("moe_pad_expert_input_to_capacity=True: LLEP is dropless and does not pad experts")
     if config.moe_router_padding_for_quantization:
         problems.append("moe_router_padding_for_quantization=True is not supported by LLEP")
-    if getattr(config, "delay_wgrad_compute", False):
+    if setting("delay_wgrad_compute", False):
         problems.append("delay_wgrad_compute=True: borrowed experts' weight gradients must be returned in backward")
+    if setting("overlap_dispatch_backward_with_experts_wgrad", False):
+        problems.append(
+            "overlap_dispatch_backward_with_experts_wgrad=True: borrowed experts' weight gradients must be "
+            "returned in backward, not deferred to a side stream"
+        )
+    if setting("use_transformer_engine_op_fuser", False):
+        problems.append(
+            "use_transformer_engine_op_fuser=True: the fused TEGroupedMLP keeps its weights where borrowed "
+            "experts cannot be substituted; set it to False"
+        )
+    if setting("moe_single_grouped_weight", False):
+        problems.append("moe_single_grouped_weight=True: LLEP sends experts one by one; set it to False")
+    if setting("moe_paged_stash", False):
+        problems.append("moe_paged_stash=True: LLEP's per-step expert layout is not paged; set it to False")
+    if setting("moe_latent_size"):
+        problems.append("moe_latent_size is set: LLEP's cost model and weight exchange assume experts of width hidden_size")
+    if setting("transformer_impl") == "inference_optimized":
+        problems.append(
+            "transformer_impl='inference_optimized' swaps in an inference dispatcher at forward time; "
+            "use 'local' or 'transformer_engine' with LLEP"
+        )
     if config.cuda_graph_impl != "none":
-        scopes = config.cuda_graph_scope if isinstance(config.cuda_graph_scope, list) else [config.cuda_graph_scope]
-        if any(s not in (CudaGraphScope.attn, "attn") for s in scopes):
-            problems.append("CUDA graphs over MoE layers: LLEP's per-step plan changes shapes; capture attention only")
+        modules = mcore.cuda_graph_modules(config)
+        if not modules or not set(modules) <= _GRAPHABLE_WITH_LLEP:
+            problems.append(
+                f"cuda_graph_impl={config.cuda_graph_impl!r} with capture regions {modules or 'whole layer'}: "
+                "LLEP's per-step plan changes shapes inside MoE layers; capture attention (and dense MLP) only"
+            )
     if problems:
         raise ValueError("LLEP cannot run with this Megatron config:\n  - " + "\n  - ".join(problems))
 
@@ -200,8 +232,13 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
             )
         if self._exchange is not None:
             self._exchange.start()
-        global_tokens = all_to_all(self.ep_group, tokens, self._output_split_list, self._input_split_list)
-        global_probs = all_to_all(self.ep_group, probs, self._output_split_list, self._input_split_list)
+        if self.shared_experts is not None:
+            mcore.shared_experts_wait_current_stream(self.shared_experts)
+        global_tokens = self._all_to_all(tokens, self._output_split_list, self._input_split_list)
+        if self.shared_experts is not None:
+            # the overlapped shared expert's fc1 runs behind the token a2a (Megatron 0.18+'s order)
+            self.shared_experts.linear_fc1_forward_and_act(global_tokens)
+        global_probs = self._all_to_all(probs, self._output_split_list, self._input_split_list)
         if self._exchange is not None:
             global_tokens, self.borrowed_weights = self._exchange.finish(global_tokens)
         return global_tokens, global_probs
@@ -209,8 +246,6 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
         if not self._llep_active:
             return super().dispatch_postprocess(global_input_tokens, global_probs)
-        if self.shared_experts is not None:
-            self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
         tokens = self._recv_perm.apply(global_input_tokens)
         probs = self._recv_perm.apply(global_probs)
         return tokens, torch.from_numpy(self.rank_plan.tokens_per_slot.copy()), probs
@@ -221,10 +256,21 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return super().combine_preprocess(hidden_states)
         return self._recv_perm.undo(hidden_states)
 
-    def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True, allocate_on_comm_stream: bool = True):
+    def token_combine(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self._llep_active:
-            return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
-        tokens = all_to_all(self.ep_group, hidden_states, self._input_split_list, self._output_split_list)
+            return super().token_combine(hidden_states, *args, **kwargs)
+        if self.shared_experts is not None:
+            mcore.shared_experts_wait_current_stream(self.shared_experts)
+        tokens = self._all_to_all(hidden_states, self._input_split_list, self._output_split_list)
+        if self.shared_experts is not None and mcore.SHARED_EXPERT_FC2_IN_TOKEN_COMBINE:
+            # where the base class runs it; before 0.18 its combine_postprocess does, for both paths
+            self.shared_experts.linear_fc2_forward(tokens)
+            self.shared_experts.post_forward_comm()
         if not self.config.moe_permute_fusion:
             return tokens  # unpermute uses the composed indices set in token_dispatch
         return self._send_perm.undo(tokens)
+
+    def _all_to_all(self, tokens: torch.Tensor, output_splits: list, input_splits: list) -> torch.Tensor:
+        return mcore.all_to_all(
+            self.ep_group, tokens, output_splits, input_splits, getattr(self, "use_nccl_stream", False)
+        )

@@ -1,7 +1,7 @@
 """Running borrowed experts with exactly the native experts' math.
 
 A helper rank computes a borrowed expert by calling *its own* experts module (SequentialMLP,
-TEGroupedMLP or GroupedMLP) through ``torch.func.functional_call`` with the borrowed weights
+TEGroupedMLP or, before Megatron-Core 0.17, legacy GroupedMLP) through ``torch.func.functional_call`` with the borrowed weights
 substituted into expert slots. The code path (fused or unfused bias+activation, gpt-oss clamp and
 GLU offset, probability weighting, fp8 padding) is therefore the native one by construction.
 
@@ -18,8 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
-
+from megatron_llep.compat.mcore import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron_llep.cost_model import ExpertShape
 
 Tensors = list[torch.Tensor]
@@ -202,9 +201,9 @@ def make_expert_adapter(experts: torch.nn.Module, num_local_experts: int) -> Exp
         return SequentialMLPAdapter(experts, num_local_experts)
     if isinstance(experts, TEGroupedMLP):
         return TEGroupedMLPAdapter(experts, num_local_experts)
-    if isinstance(experts, GroupedMLP):
+    if GroupedMLP is not None and isinstance(experts, GroupedMLP):
         return GroupedMLPAdapter(experts, num_local_experts)
     raise TypeError(
         f"LLEP cannot run borrowed experts for {type(experts).__name__}; supported experts modules are "
-        "SequentialMLP, TEGroupedMLP and GroupedMLP"
+        "SequentialMLP, TEGroupedMLP and (Megatron-Core < 0.17) legacy GroupedMLP"
     )

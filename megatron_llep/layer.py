@@ -12,7 +12,6 @@ Enable it in a layer spec::
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -20,9 +19,9 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.dispatcher import LLEPTokenDispatcher
 from megatron_llep.experts import make_expert_adapter
@@ -38,10 +37,14 @@ class LLEPMoELayer(MoELayer):
         layer_number: Optional[int] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
         llep_config: Optional[LLEPConfig] = None,
+        **kwargs: Any,
     ) -> None:
+        # kwargs: what the installed MoELayer also takes (0.17+: is_mtp_layer; 0.18+: name)
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
-        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        super().__init__(
+            config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection, **kwargs
+        )
         self.llep_config = llep_config if llep_config is not None else LLEPConfig()
         self.expert_adapter = make_expert_adapter(self.experts, self.num_local_experts)
         shared_experts = self.token_dispatcher.shared_experts
@@ -62,8 +65,11 @@ class LLEPMoELayer(MoELayer):
         self.token_dispatcher.layer_number = layer_number
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Native experts as in MoELayer, plus this step's borrowed experts with the same math."""
+        """MoELayer's own compute on plain-EP steps; on spilling steps the native experts plus this
+        step's borrowed experts, with the same math."""
         dispatcher = self.token_dispatcher
+        if not dispatcher.llep_active:
+            return super().routed_experts_compute(hidden_states, probs)
         dispatched_input, tokens_per_slot, permuted_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
         if dispatcher.borrowed_weights:
             expert_output = self.expert_adapter.forward(
@@ -78,29 +84,20 @@ class LLEPMoELayer(MoELayer):
 def with_llep(spec: Any, llep_config: Optional[LLEPConfig] = None) -> Any:
     """A copy of a Megatron layer/block spec with every ``MoELayer`` replaced by ``LLEPMoELayer``.
 
-    Works on ModuleSpec trees (``get_gpt_layer_local_spec``, ``get_gpt_decoder_block_spec`` ...).
+    Works on the spec trees of every supported release (``get_gpt_layer_local_spec``,
+    ``get_gpt_decoder_block_spec`` ...; ModuleSpec or, from 0.18, ``functools.partial`` MoE specs).
     Raises if the spec holds no MoE layer, since that is almost certainly a configuration mistake.
     """
     llep_config = llep_config if llep_config is not None else LLEPConfig()
     found = []
-    result = _replace_moe(copy.deepcopy(spec), llep_config, found)
+
+    def to_llep(cls: type, params: dict) -> Optional[tuple[type, dict]]:
+        if issubclass(cls, LLEPMoELayer):
+            return None
+        found.append(cls)
+        return LLEPMoELayer, {**params, "llep_config": llep_config}
+
+    result = mcore.replace_moe_layers(copy.deepcopy(spec), to_llep)
     if not found:
         raise ValueError("with_llep: the spec contains no MoELayer (is num_moe_experts set for these layers?)")
     return result
-
-
-def _replace_moe(node: Any, llep_config: LLEPConfig, found: list) -> Any:
-    if isinstance(node, ModuleSpec):
-        if isinstance(node.module, type) and issubclass(node.module, MoELayer) and not issubclass(node.module, LLEPMoELayer):
-            node.module = LLEPMoELayer
-            node.params = {**node.params, "llep_config": llep_config}
-            found.append(node)
-        node.submodules = _replace_moe(node.submodules, llep_config, found)
-        return node
-    if isinstance(node, (list, tuple)):
-        return type(node)(_replace_moe(item, llep_config, found) for item in node)
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        for field in dataclasses.fields(node):
-            setattr(node, field.name, _replace_moe(getattr(node, field.name), llep_config, found))
-        return node
-    return node

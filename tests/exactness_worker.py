@@ -3,6 +3,7 @@ dense MoE, on the same weights, inputs and routing. Imported by spawned gloo pro
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,6 +16,7 @@ from megatron_llep.scenarios import force_routing, imbalanced_topk
 from megatron_llep.testing import grouped_gemm_cpu
 from megatron_llep.testing.moe import build_moe_layer, expert_weights, init_expert_parallel, moe_config
 from megatron_llep.testing.reference import dense_moe_reference, expert_forward_reference
+from megatron_llep.weight_exchange import ExpertWeightExchange
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,9 @@ class Case:
     imbalance_threshold: float = 1.3
     alpha: float = 1.0
     expect_mode: str = "llep"
-    grouped_gemm: bool = False  # Megatron's legacy GroupedMLP (bf16) instead of SequentialMLP
+    grouped_gemm: bool = False  # Megatron's legacy GroupedMLP (bf16; Megatron-Core < 0.17) instead of SequentialMLP
+    bf16: bool = False  # bf16 parameters and activations (always with grouped_gemm)
+    broken: str = ""  # negative control: a key of BROKEN_MAPPINGS, applied to the LLEP layer's run
     shared_expert: int = 0  # shared expert FFN width (0: none)
     shared_overlap: bool = False  # moe_shared_expert_overlap: dispatcher drives the shared expert
 
@@ -77,6 +81,41 @@ def _gather_experts(layer, world: int) -> list[dict]:
     return experts
 
 
+@contextlib.contextmanager
+def _send_a_neighbouring_expert():
+    """The native rank sends the weights of the expert next to the borrowed one."""
+    original = ExpertWeightExchange._native_tensors
+
+    def shifted(self, expert):
+        return self.adapter.expert_tensors((expert - self.first_local_expert + 1) % self.adapter.num_local_experts)
+
+    ExpertWeightExchange._native_tensors = shifted
+    try:
+        yield
+    finally:
+        ExpertWeightExchange._native_tensors = original
+
+
+@contextlib.contextmanager
+def _drop_returned_gradients():
+    """Helpers compute borrowed-weight gradients, but the native rank never receives them."""
+    original = ExpertWeightExchange.return_gradients
+
+    def dropped(self, grads):
+        original(self, grads)
+        return [None] * (len(self.sent_experts) * len(self.specs))
+
+    ExpertWeightExchange.return_gradients = dropped
+    try:
+        yield
+    finally:
+        ExpertWeightExchange.return_gradients = original
+
+
+# Negative controls: each breaks one mapping of LLEP; the comparisons must then fail.
+BROKEN_MAPPINGS = {"wrong_expert_sent": _send_a_neighbouring_expert, "gradients_not_returned": _drop_returned_gradients}
+
+
 def _run_layer(layer, x, dy, ids):
     force_routing(layer.router, ids)
     xi = x.clone().requires_grad_()
@@ -93,7 +132,7 @@ def _run_layer(layer, x, dy, ids):
 
 def compare_case(rank: int, world: int, case: Case) -> dict:
     tokens = case.tokens[rank] if case.tokens else 24
-    dtype = torch.bfloat16 if case.grouped_gemm else torch.float32
+    dtype = torch.bfloat16 if case.grouped_gemm or case.bf16 else torch.float32
     if case.grouped_gemm:
         grouped_gemm_cpu.install()
     shared = dict(moe_shared_expert_intermediate_size=case.shared_expert,
@@ -110,7 +149,8 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     ids = _expert_ids(case, rank, tokens)
 
     ref_stock = _run_layer(stock, x, dy, ids)
-    got = _run_layer(llep, x, dy, ids)
+    with BROKEN_MAPPINGS[case.broken]() if case.broken else contextlib.nullcontext():
+        got = _run_layer(llep, x, dy, ids)
     stats = llep.token_dispatcher.last_stats
 
     # float64 dense reference with autograd; expert gradients summed over all ranks' tokens

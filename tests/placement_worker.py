@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from unittest import mock
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
+from megatron_llep.placement import apply as placement_apply
 from megatron_llep.placement.apply import apply_placement, restore_original_order
 from megatron_llep.placement.placement import ExpertPlacement, read_checkpoint_placement, write_checkpoint_placement
 from megatron_llep.placement.recorder import RoutingTraceRecorder
@@ -37,7 +42,12 @@ class Case:
     grouped_gemm: bool = False
     config: tuple = ()  # TransformerConfig overrides as (key, value) pairs
     expert_bias: bool = False
+    quantile_balancing: bool = False  # Megatron-Core 0.19's per-expert qb_beta routing bias
+    router_rows_stay: bool = False  # negative control: experts move, the router's rows do not
 
+
+# quantile-balancing routing exists from Megatron-Core 0.19 on (feature probe, not a version check)
+HAS_QUANTILE_BALANCING = hasattr(TopKRouter, "quantile_balancing")
 
 CASES = [
     Case("natural_routing"),
@@ -49,6 +59,13 @@ CASES = [
     Case("group_limited", perm=tuple(GROUP_PRESERVING),
          config=(("moe_router_num_groups", 4), ("moe_router_group_topk", 2))),
     Case("grouped_gemm_bf16", grouped_gemm=True, forced="hot"),  # bf16 logits tie: force the routing
+    Case("broken_router_rows_not_moved", router_rows_stay=True),
+    Case("quantile_balancing", quantile_balancing=True,
+         config=(("moe_router_load_balancing_type", "quantile_balancing"),)),
+]
+CASES = [
+    c for c in CASES
+    if (not c.grouped_gemm or mcore.GroupedMLP is not None) and (not c.quantile_balancing or HAS_QUANTILE_BALANCING)
 ]
 
 
@@ -99,9 +116,17 @@ def compare_case(rank: int, case: Case) -> dict:
         bias = torch.randn(NUM_EXPERTS, generator=torch.Generator().manual_seed(3)) * 0.5
         for layer in (plain, placed):
             layer.router.expert_bias.copy_(bias)
+    if case.quantile_balancing:  # a learnt-looking bias that changes which experts win
+        beta = torch.randn(NUM_EXPERTS, generator=torch.Generator().manual_seed(4)) * 0.5
+        for layer in (plain, placed):
+            layer.router.qb_beta.copy_(beta)
     original = _snapshot(placed)
     placement = ExpertPlacement(NUM_EXPERTS, 2, {1: perm})
-    apply_placement(placed, placement)
+    if case.router_rows_stay:
+        with mock.patch.object(placement_apply, "router_expert_tensors", lambda router, num_experts: []):
+            apply_placement(placed, placement)
+    else:
+        apply_placement(placed, placement)
 
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(TOKENS, 1, HIDDEN, generator=gen).to(dtype)
@@ -122,7 +147,12 @@ def compare_case(rank: int, case: Case) -> dict:
     if case.expert_bias:
         result["tokens_per_expert"] = _rel_err(placed.router.local_tokens_per_expert, plain.router.local_tokens_per_expert[perm])
         result["expert_bias_moved"] = bool(torch.equal(placed.router.expert_bias, plain.router.expert_bias[perm]))
+    if case.quantile_balancing:
+        result["qb_beta_moved"] = bool(torch.equal(placed.router.qb_beta, plain.router.qb_beta[perm]))
+        result["qb_beta_accum"] = _rel_err(placed.router.qb_beta_accum, plain.router.qb_beta_accum[perm])
     placed.zero_grad(set_to_none=True)
+    if case.router_rows_stay:
+        return result
     restore_original_order(placed, placement)
     restored = _snapshot(placed)
     result["round_trip_bit_identical"] = all(

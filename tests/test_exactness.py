@@ -6,10 +6,19 @@ weight grad are compared."""
 import pytest
 
 from exactness_worker import Case, run_cases
+from megatron_llep.compat import mcore
 from megatron_llep.testing.distributed import run_distributed
 
 
+LEGACY_GROUPED_MLP = "grouped_gemm_bf16"
+
+
 def cases(ep: int) -> list:
+    """The cases the installed Megatron-Core can run (legacy GroupedMLP only before 0.17)."""
+    return [c for c in all_cases(ep) if c.name != LEGACY_GROUPED_MLP or mcore.GroupedMLP is not None]
+
+
+def all_cases(ep: int) -> list:
     experts_of_last_rank = 8 // ep
     return [
         Case("balanced", "uniform", expect_mode="fallback"),
@@ -25,10 +34,19 @@ def cases(ep: int) -> list:
         Case("borrow_more_than_native", "subset", subset=(0, 1, 2, 3, 4, 5), topk=1, min_chunk_tokens=0),
         Case("below_lambda_falls_back", "hot", hot_fraction=0.3, imbalance_threshold=10.0, expect_mode="fallback"),
         Case("alpha_1_5", "hot", alpha=1.5, expect_mode="llep" if ep == 4 else "plain"),
-        Case("grouped_gemm_bf16", "hot", topk=2, num_hot=2, grouped_gemm=True),
+        Case(LEGACY_GROUPED_MLP, "hot", topk=2, num_hot=2, grouped_gemm=True),
+        Case("sequential_mlp_bf16", "hot", topk=2, num_hot=2, bf16=True),
         Case("shared_expert", "hot", shared_expert=8),
         Case("shared_expert_overlapped", "hot", shared_expert=8, shared_overlap=True),
+        *NEGATIVE_CONTROLS,
     ]
+
+
+# The same comparisons with one LLEP mapping broken on purpose: they must fail.
+NEGATIVE_CONTROLS = [
+    Case("broken_wrong_expert_sent", "hot", broken="wrong_expert_sent"),
+    Case("broken_gradients_not_returned", "hot", broken="gradients_not_returned"),
+]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
@@ -44,11 +62,13 @@ def _expert_bytes(case: Case, dtype_bytes: int) -> int:
     return params * dtype_bytes
 
 
-@pytest.mark.parametrize("name", [c.name for c in cases(2)])
+@pytest.mark.parametrize("name", [c.name for c in all_cases(2) if not c.broken])
 def test_llep_equals_plain_ep(ep_results, name):
     ep, per_rank = ep_results
+    if name not in {c.name for c in cases(ep)}:
+        pytest.skip(f"legacy GroupedMLP does not exist in Megatron-Core {mcore.MCORE_VERSION} (removed in 0.17)")
     case = {c.name: c for c in cases(ep)}[name]
-    bf16 = case.grouped_gemm
+    bf16 = case.grouped_gemm or case.bf16
     tight, loose = (2e-2, 5e-2) if bf16 else (1e-5, 2e-5)
     for rank, results in enumerate(per_rank):
         r = results[name]
@@ -74,3 +94,13 @@ def test_a_helper_can_borrow_more_experts_than_it_owns(ep_results):
         assert borrowed > local  # exercises more than one substitution group per step
     else:
         assert borrowed >= 1
+
+
+@pytest.mark.parametrize("case", NEGATIVE_CONTROLS, ids=lambda c: c.name)
+def test_negative_controls_fail_the_comparison(ep_results, case):
+    ep, per_rank = ep_results
+    r = {rank: results[case.name] for rank, results in enumerate(per_rank)}
+    assert all(result["mode"] == "llep" for result in r.values())
+    keys = ("out_vs_stock", "out_vs_ref") if case.broken == "wrong_expert_sent" else ("experts_vs_stock", "experts_vs_ref")
+    for key in keys:  # some rank must see the damage, far above the parity tolerance
+        assert max(result[key] for result in r.values()) > 1e-2, key

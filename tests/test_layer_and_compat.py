@@ -9,20 +9,37 @@ import torch.nn.functional as F
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.dispatcher import check_megatron_config
 from megatron_llep.layer import LLEPMoELayer, with_llep
+
+
+def _constructor_keywords(node):
+    # an MoE spec is a ModuleSpec before Megatron-Core 0.18 and a functools.partial from 0.18 on
+    return node.params if isinstance(node, ModuleSpec) else node.keywords
 
 
 def test_with_llep_swaps_every_moe_layer_and_keeps_the_original_spec():
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     config = LLEPConfig(min_chunk_tokens=16)
     llep_spec = with_llep(spec, config)
-    assert llep_spec.submodules.mlp.module is LLEPMoELayer
-    assert llep_spec.submodules.mlp.params["llep_config"] is config
-    assert spec.submodules.mlp.module is MoELayer  # the input spec is untouched
+    mlp = llep_spec.submodules.mlp
+    assert mcore.moe_layer_class(mlp) is LLEPMoELayer
+    assert _constructor_keywords(mlp)["llep_config"] is config
+    assert mcore.moe_submodules(mlp) is not mcore.moe_submodules(spec.submodules.mlp)  # a copy
+    assert mcore.moe_layer_class(spec.submodules.mlp) is MoELayer  # the input spec is untouched
+    assert "llep_config" not in _constructor_keywords(spec.submodules.mlp)
+
+
+def test_with_llep_leaves_dense_layers_of_a_block_spec_alone():
+    dense, moe = get_gpt_layer_local_spec(num_experts=None), get_gpt_layer_local_spec(num_experts=8)
+    block = with_llep([dense, moe])
+    assert mcore.moe_layer_class(block[0].submodules.mlp) is None
+    assert mcore.moe_layer_class(block[1].submodules.mlp) is LLEPMoELayer
 
 
 def test_with_llep_rejects_a_dense_spec():
@@ -49,6 +66,48 @@ def _config(**overrides):
 def test_unsupported_megatron_settings_are_named(overrides, expert_tp, message):
     with pytest.raises(ValueError, match=message):
         check_megatron_config(_config(**overrides), expert_tp)
+
+
+# Settings of newer releases (0.18/0.19) are set after construction: their own validation needs
+# Transformer Engine or CUDA, and on older releases the fields do not exist at all.
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("delay_wgrad_compute", True, "delay_wgrad_compute"),
+        ("overlap_dispatch_backward_with_experts_wgrad", True, "overlap_dispatch_backward_with_experts_wgrad"),
+        ("use_transformer_engine_op_fuser", True, "use_transformer_engine_op_fuser"),
+        ("moe_single_grouped_weight", True, "moe_single_grouped_weight"),
+        ("moe_paged_stash", True, "moe_paged_stash"),
+        ("moe_latent_size", 8, "moe_latent_size"),
+        ("transformer_impl", "inference_optimized", "inference_optimized"),
+    ],
+)
+def test_unsupported_newer_settings_are_named(field, value, message):
+    config = _config()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=message):
+        check_megatron_config(config, 1)
+
+
+def _graphed(modules):
+    config = _config()
+    config.cuda_graph_impl = "transformer_engine"
+    setattr(config, "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope", modules)
+    return config
+
+
+@pytest.mark.parametrize("modules", [[], "full", ["moe"], ["attn", "moe_router"], ["moe_preprocess"]])
+def test_cuda_graphs_over_moe_layers_are_rejected(modules):
+    with pytest.raises(ValueError, match="CUDA-graph|capture"):
+        check_megatron_config(_graphed(modules), 1)
+
+
+def test_cuda_graphs_of_attention_only_are_allowed():
+    check_megatron_config(_graphed(["attn"]), 1)
+    from megatron.core.transformer import enums
+
+    members = getattr(enums, "CudaGraphModule", None) or enums.CudaGraphScope
+    check_megatron_config(_graphed([members.attn, members.mlp]), 1)
 
 
 def test_supported_config_passes():

@@ -4,9 +4,9 @@
 what slot ``placement.slot_to_expert(layer)[s]`` held before: the routed experts' weights
 (``SequentialMLP`` local experts, legacy ``GroupedMLP`` ``weight1``/``weight2``) move between EP
 ranks by point-to-point copies over the layer's EP group (each rank receives only the experts it
-will own, one parameter kind at a time), and the router's rows move with them: ``weight``,
-``bias``, the ``expert_bias`` of sigmoid/DeepSeek-V3 routing and its ``local_tokens_per_expert``
-(and ``global_tokens_per_expert``). Router logits are then a permutation of the old ones, top-K
+will own, one parameter kind at a time), and the router's per-expert rows move with them:
+``weight``, ``bias``, the ``expert_bias`` of sigmoid/DeepSeek-V3 routing and its token counts,
+quantile balancing's ``qb_beta`` (see :func:`router_expert_tensors`). Router logits are then a permutation of the old ones, top-K
 picks the same experts under their new ids, every expert computes what it computed before: the
 layer is the same function (outputs equal up to the order of float summation over a token's
 experts). Works for ``MoELayer`` and ``LLEPMoELayer`` alike (LLEP just sees the placed layout).
@@ -28,13 +28,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import utils as mcore_utils
-from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
+from megatron_llep.compat.mcore import GroupedMLP, SequentialMLP
 from megatron_llep.placement.placement import ExpertPlacement, check_permutation, check_routing_groups
 
 Model = Union[torch.nn.Module, Iterable[torch.nn.Module]]
-_ROUTER_ROWS = ("weight", "bias", "expert_bias", "local_tokens_per_expert", "global_tokens_per_expert")
 
 
 def moe_layers(model: Model) -> dict[int, BaseMoELayer]:
@@ -88,13 +87,18 @@ def _permute_layer(layer: BaseMoELayer, placement: ExpertPlacement, number: int)
     tensors = _expert_tensors(layer)
     _check_no_gradients(layer, what)
     with torch.no_grad():
-        router = layer.router
-        for name in _ROUTER_ROWS:
-            rows = getattr(router, name, None)
-            if isinstance(rows, torch.Tensor):
-                rows.copy_(rows[torch.as_tensor(perm, device=rows.device)])
+        for rows in router_expert_tensors(layer.router, config.num_moe_experts):
+            rows.copy_(rows[torch.as_tensor(perm, device=rows.device)])
         for views in tensors:
             _exchange(views, perm, layer.num_local_experts, layer.ep_group)
+
+
+def router_expert_tensors(router: torch.nn.Module, num_experts: int) -> list[torch.Tensor]:
+    """The router's per-expert tensors: every parameter and buffer indexed by expert first
+    (``weight``, ``bias``, ``expert_bias`` and its token counts, 0.19's quantile-balancing
+    ``qb_beta``/``qb_beta_accum``, and whatever per-expert state a later release adds)."""
+    tensors = list(router.named_parameters(recurse=False)) + list(router.named_buffers(recurse=False))
+    return [t for _, t in tensors if t.dim() >= 1 and t.shape[0] == num_experts]
 
 
 def _expert_tensors(layer: BaseMoELayer) -> list[list[torch.Tensor]]:
@@ -103,7 +107,7 @@ def _expert_tensors(layer: BaseMoELayer) -> list[list[torch.Tensor]]:
     if isinstance(experts, SequentialMLP):
         params = [dict(expert.named_parameters()) for expert in experts.local_experts]
         return [[p[name] for p in params] for name in params[0]]
-    if isinstance(experts, GroupedMLP):
+    if GroupedMLP is not None and isinstance(experts, GroupedMLP):
         names = {name for name, _ in experts.named_parameters()}
         if names != {"weight1", "weight2"}:
             raise NotImplementedError(f"GroupedMLP with parameters {sorted(names)}: only weight1/weight2 are placed")

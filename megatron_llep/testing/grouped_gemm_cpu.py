@@ -1,5 +1,6 @@
 """A loop-of-matmuls stand-in for the ``grouped_gemm`` CUDA package, so Megatron's legacy
-GroupedMLP can run (slowly, on CPU) in tests. Semantics follow ``grouped_gemm.ops.gmm``."""
+GroupedMLP (Megatron-Core < 0.17) can run (slowly, on CPU) in tests. Semantics follow
+``grouped_gemm.ops.gmm``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import types
 
 import torch
 
-from megatron.core.transformer.moe import grouped_gemm_util
+from megatron_llep.compat import mcore
 
 
 def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
@@ -19,6 +20,9 @@ def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bo
 
 def install() -> None:
     """Make Megatron believe grouped_gemm is installed, with :func:`gmm` as its kernel."""
+    grouped_gemm_util = mcore.grouped_gemm_util()
+    if grouped_gemm_util is None:
+        raise RuntimeError(f"Megatron-Core {mcore.MCORE_VERSION} has no legacy GroupedMLP to run grouped_gemm for")
     module = types.SimpleNamespace(ops=types.SimpleNamespace(gmm=gmm))
     grouped_gemm_util.grouped_gemm = module
     grouped_gemm_util.ops = module.ops

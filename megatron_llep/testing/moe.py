@@ -9,12 +9,11 @@ import torch.nn.functional as F
 
 from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
-from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.layer import LLEPMoELayer
 
@@ -86,13 +85,14 @@ def build_moe_layer(
 
     Weights are set from ``seed`` and each expert's *global* id, so every expert differs from every
     other and both layer kinds built with the same seed hold identical weights. ``grouped_gemm``
-    selects Megatron's legacy GroupedMLP experts instead of SequentialMLP.
+    selects Megatron's legacy GroupedMLP experts (Megatron-Core < 0.17) instead of SequentialMLP.
     """
-    spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=grouped_gemm)
+    spec = mcore.moe_module_spec(config.num_moe_experts, legacy_grouped_gemm=grouped_gemm)
+    submodules = mcore.moe_submodules(spec)
     if llep_config is None:
-        layer = MoELayer(config, spec.submodules, layer_number=1)
+        layer = MoELayer(config, submodules, layer_number=1)
     else:
-        layer = LLEPMoELayer(config, spec.submodules, layer_number=1, llep_config=llep_config)
+        layer = LLEPMoELayer(config, submodules, layer_number=1, llep_config=llep_config)
     set_distinct_weights(layer, seed, weight_scale)
     return layer
 
@@ -119,7 +119,7 @@ def expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[str, torch
     their ``.grad`` with ``grads=True``)."""
     experts = layer.experts
     pick = (lambda p: p.grad) if grads else (lambda p: p)
-    if isinstance(experts, GroupedMLP):  # weight1 [D, M*2H] and weight2 [M*H, D], viewed per expert
+    if mcore.GroupedMLP is not None and isinstance(experts, mcore.GroupedMLP):  # weight1 [D, M*2H] and weight2 [M*H, D], viewed per expert
         local, hidden = layer.num_local_experts, layer.config.hidden_size
         w1 = pick(experts.weight1).view(local, hidden, -1)
         w2 = pick(experts.weight2).view(local, -1, hidden)

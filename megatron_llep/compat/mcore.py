@@ -1,0 +1,145 @@
+"""The one place where the Megatron-Core releases megatron-llep supports (0.16 to 0.19) differ.
+
+Library code imports Megatron names that moved or vanished, and asks version-dependent
+questions, only through this module; everything else uses one code path for every release.
+What differs (docs/compat.md has the full table):
+
+* legacy ``GroupedMLP`` (and ``moe/grouped_gemm_util``) exist only before 0.17;
+* an MoE layer spec is a ``ModuleSpec(MoELayer, submodules=...)`` before 0.18 and a
+  ``functools.partial(MoELayer, submodules=...)`` from 0.18 on;
+* with ``moe_shared_expert_overlap``, the alltoall dispatcher runs the shared expert's fc2 in
+  ``combine_postprocess`` before 0.18 and in ``token_combine`` (right after the combine
+  all-to-all) from 0.18 on;
+* ``cuda_graph_scope`` (``CudaGraphScope``) became ``cuda_graph_modules`` (``CudaGraphModule``)
+  in 0.18.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, Optional
+
+import megatron.core
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.tensor_parallel import all_to_all as _all_to_all
+from megatron.core.transformer.moe import experts as _experts
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from packaging.version import Version
+
+MCORE_VERSION = Version(megatron.core.__version__)
+"""The installed Megatron-Core release."""
+
+TESTED_RANGE = (Version("0.16"), Version("0.20"))
+"""Releases the test suite runs against: ``TESTED_RANGE[0] <= version < TESTED_RANGE[1]``."""
+
+if not TESTED_RANGE[0] <= MCORE_VERSION < TESTED_RANGE[1]:
+    warnings.warn(
+        f"megatron-llep is tested with megatron-core >={TESTED_RANGE[0]},<{TESTED_RANGE[1]}; "
+        f"megatron-core {MCORE_VERSION} is installed (see docs/compat.md)",
+        stacklevel=2,
+    )
+
+SequentialMLP = _experts.SequentialMLP
+TEGroupedMLP = _experts.TEGroupedMLP
+GroupedMLP: Optional[type] = getattr(_experts, "GroupedMLP", None)
+"""Megatron's legacy grouped-GEMM experts; ``None`` from 0.17 on (removed there)."""
+
+SHARED_EXPERT_FC2_IN_TOKEN_COMBINE = MCORE_VERSION >= Version("0.18")
+"""Whether the alltoall dispatcher's ``token_combine`` runs the overlapped shared expert's fc2."""
+
+
+def grouped_gemm_util() -> Any:
+    """Megatron's ``moe.grouped_gemm_util`` module, or ``None`` where legacy GroupedMLP is gone."""
+    if GroupedMLP is None:
+        return None
+    from megatron.core.transformer.moe import grouped_gemm_util as module
+
+    return module
+
+
+def moe_module_spec(num_experts: int, use_te: bool = False, legacy_grouped_gemm: bool = False) -> Any:
+    """Megatron's MoE layer spec; ``legacy_grouped_gemm`` asks for legacy ``GroupedMLP`` experts."""
+    if legacy_grouped_gemm and GroupedMLP is None:
+        raise ValueError(
+            f"legacy GroupedMLP was removed in Megatron-Core 0.17 (installed: {MCORE_VERSION}); "
+            "use SequentialMLP or Transformer Engine's TEGroupedMLP"
+        )
+    return get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=legacy_grouped_gemm)
+
+
+def moe_submodules(spec: Any) -> Any:
+    """The ``MoESubmodules`` of an MoE layer spec (either spec form)."""
+    if isinstance(spec, ModuleSpec):
+        return spec.submodules
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    raise TypeError(f"not an MoE layer spec: {spec!r}")
+
+
+def moe_layer_class(node: Any) -> Optional[type]:
+    """The ``MoELayer`` subclass a spec node builds, or ``None`` if it builds no MoE layer."""
+    target = node.module if isinstance(node, ModuleSpec) else node.func if isinstance(node, functools.partial) else None
+    if isinstance(target, type) and issubclass(target, MoELayer):
+        return target
+    return None
+
+
+def replace_moe_layers(spec: Any, rewrite: Callable[[type, dict], Optional[tuple[type, dict]]]) -> Any:
+    """Rewrite every MoE layer node of a (layer or block) spec tree, in place; returns the tree.
+
+    ``rewrite(layer_class, params)`` returns the new class and constructor keywords, or ``None`` to
+    keep the node. Descends through ModuleSpecs, partials, lists, tuples and dataclasses.
+    """
+    if isinstance(spec, ModuleSpec):
+        cls = moe_layer_class(spec)
+        result = rewrite(cls, dict(spec.params)) if cls is not None else None
+        if result is not None:
+            spec.module, spec.params = result[0], result[1]
+        spec.submodules = replace_moe_layers(spec.submodules, rewrite)
+        return spec
+    if isinstance(spec, functools.partial):
+        cls = moe_layer_class(spec)
+        if cls is None:
+            return spec
+        keywords = dict(spec.keywords)
+        submodules = replace_moe_layers(keywords.pop("submodules", None), rewrite)
+        new_cls, params = rewrite(cls, keywords) or (cls, keywords)
+        return functools.partial(new_cls, *spec.args, submodules=submodules, **params)
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(replace_moe_layers(item, rewrite) for item in spec)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for field in dataclasses.fields(spec):
+            setattr(spec, field.name, replace_moe_layers(getattr(spec, field.name), rewrite))
+        return spec
+    return spec
+
+
+def cuda_graph_modules(config: Any) -> list[str]:
+    """Names of the per-layer CUDA-graph capture regions (``[]`` is Megatron's whole-layer capture)."""
+    modules = getattr(config, "cuda_graph_modules", None)
+    if modules is None:
+        modules = getattr(config, "cuda_graph_scope", None)
+    if modules is None or modules == "full":
+        return []
+    if not isinstance(modules, (list, tuple)):
+        modules = [modules]
+    return [getattr(m, "name", m) for m in modules]
+
+
+def all_to_all(group: Any, tokens: Any, output_splits: list, input_splits: list, use_nccl_stream: bool = False) -> Any:
+    """Megatron's autograd all-to-all; ``use_nccl_stream`` (0.18+, set with the shared-expert
+    overlap) runs it on NCCL's stream as the base dispatcher does."""
+    if use_nccl_stream:
+        return _all_to_all(group, tokens, output_splits, input_splits, use_nccl_stream=True)
+    return _all_to_all(group, tokens, output_splits, input_splits)
+
+
+def shared_experts_wait_current_stream(shared_experts: Any) -> None:
+    """Order the overlapped shared expert's stream after the current one (0.18+; before, the
+    shared expert synchronised inside its own steps)."""
+    wait = getattr(shared_experts, "wait_current_stream", None)
+    if wait is not None:
+        wait()
