@@ -94,3 +94,43 @@ def test_placement_report_smoke(tmp_path):
     assert rows["CAP comm-optimal+LLEP"]["llep_max_mean"] <= rows["CAP comm-optimal"]["max_mean"] + 1e-9
     assert data["settings"]["stability"] and os.path.getsize(png) > 0
     assert "dev/token" in proc.stdout
+
+
+def _megatron_router_trace(directory: str, ids_by_layer: dict, mtp_ids) -> str:
+    """A router-trace file written by Megatron-Core's own tracer (0.19+), two steps."""
+    router_trace = pytest.importorskip(
+        "megatron.core.transformer.moe.router_trace", reason="Megatron-Core's router tracer arrived in 0.19"
+    )
+    import torch
+
+    tracer = router_trace.RouterTracer(directory, max_steps=4, rank=0, training_mode=True)
+    for step in range(2):
+        tracer.record_indices([torch.as_tensor(ids_by_layer[n][step]) for n in sorted(ids_by_layer)],
+                              layer_ids=[n - 1 for n in sorted(ids_by_layer)])
+        tracer.record_indices([torch.as_tensor(mtp_ids)], block="mtp", mtp_idx=0)
+        tracer.advance_step()
+    return tracer.output_path
+
+
+def test_megatron_router_traces_are_read_and_planned(tmp_path):
+    rng = np.random.default_rng(0)
+    ids = {n: [np.argsort(rng.random((40, 16)), axis=1)[:, :2] for _ in range(2)] for n in (1, 2)}
+    path = _megatron_router_trace(str(tmp_path), ids, mtp_ids=np.zeros((40, 2), dtype=np.int64))
+    from megatron_llep.placement.trace import load_traces
+
+    trace = load_traces([path], num_experts=16)
+    assert sorted(trace.layers) == [1, 2]  # MTP records skipped, decoder index 0 -> layer 1
+    for n in (1, 2):
+        assert np.array_equal(trace.layer(n).expert_ids, np.concatenate(ids[n]))
+        assert trace.layer(n).tokens_seen == 80
+    out = str(tmp_path / "placement.json")
+    main(["plan", path, "--num-experts", "16", "--ep-size", "4", "-o", out])
+    assert sorted(ExpertPlacement.load(out).layers) == [1, 2]
+
+
+def test_megatron_router_traces_need_the_number_of_experts(tmp_path, capsys):
+    path = tmp_path / "router_trace_rank0.jsonl"
+    path.write_text(json.dumps({"block": "decoder", "layer": 0, "top_indices": [[0, 1]]}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", str(path), "--ep-size", "2", "-o", str(tmp_path / "p.json")])
+    assert exit_info.value.code == 2 and "--num-experts" in capsys.readouterr().err

@@ -49,7 +49,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    trace = load_traces(args.traces)
+    trace = load_traces(args.traces, args.num_experts)
     if args.layers:
         trace = RoutingTrace(trace.num_experts, trace.topk, {n: trace.layer(n) for n in args.layers},
                              trace.max_tokens_per_layer, trace.sampling, trace.sources)
@@ -89,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="routing trace file(s) -> placement JSON")
-    plan.add_argument("traces", nargs="+", help=".npz trace files (e.g. one per rank); merged")
+    plan.add_argument("traces", nargs="+",
+                      help=".npz trace files (e.g. one per rank), or Megatron-Core 0.19 router-trace .jsonl files; merged")
+    plan.add_argument("--num-experts", type=int, default=None,
+                      help="experts per MoE layer (needed for Megatron .jsonl router traces, which do not record it)")
     plan.add_argument("--ep-size", type=int, required=True, help="expert-parallel size P")
     plan.add_argument("--gpus-per-node", type=int, default=None, help="EP ranks per node (default: one node)")
     plan.add_argument("--cross-node-cost", type=float, default=5.0, help="distance c between nodes (1 inside a node)")

@@ -183,9 +183,49 @@ def merge_traces(traces: Sequence[RoutingTrace]) -> RoutingTrace:
                         [s for t in traces for s in t.sources])
 
 
-def load_traces(paths: Iterable[str]) -> RoutingTrace:
-    """Load and merge trace files (one per rank, or several runs)."""
-    return merge_traces([RoutingTrace.load(p) for p in paths])
+def load_megatron_router_trace(path: str, num_experts: int, first_layer_number: int = 1) -> RoutingTrace:
+    """A trace from Megatron-Core 0.19's router tracer (``--moe-routing-trace-path``: one JSONL file
+    per rank, a record ``{"block": "decoder", "layer": i, "top_indices": [[...], ...]}`` per layer
+    and step). Its ``layer`` is the index in the rank's decoder stack; layer numbers here are
+    ``first_layer_number + layer`` (1 without pipeline parallelism, like Megatron's own numbering).
+    MTP records are skipped: their layers have no decoder layer number."""
+    if num_experts <= 0:
+        raise ValueError(f"{path}: a Megatron router trace does not record the number of experts; pass it (got {num_experts})")
+    ids: dict[int, list[np.ndarray]] = {}
+    with open(path) as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if record.get("block", "decoder") != "decoder":
+                    continue
+                top = np.asarray(record["top_indices"], dtype=np.int64)
+                layer = int(record["layer"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path}:{line_number}: not a Megatron router trace record ({err})") from err
+            if top.ndim != 2:
+                raise ValueError(f"{path}:{line_number}: top_indices must be [tokens, topk], got shape {top.shape}")
+            ids.setdefault(first_layer_number + layer, []).append(top)
+    if not ids:
+        raise ValueError(f"{path}: no decoder routing records")
+    trace = RoutingTrace.from_expert_ids(num_experts, {n: np.concatenate(parts) for n, parts in ids.items()})
+    trace.sources = [os.path.abspath(path)]
+    return trace
+
+
+def load_traces(paths: Iterable[str], num_experts: Optional[int] = None) -> RoutingTrace:
+    """Load and merge trace files (one per rank, or several runs): our ``.npz`` traces, and
+    Megatron-Core's router-trace ``.jsonl`` files (these need ``num_experts``)."""
+    traces = []
+    for path in paths:
+        if path.endswith(".jsonl"):
+            if num_experts is None:
+                raise ValueError(f"{path}: Megatron router traces do not record the number of experts; pass --num-experts")
+            traces.append(load_megatron_router_trace(path, num_experts))
+        else:
+            traces.append(RoutingTrace.load(path))
+    return merge_traces(traces)
 
 
 def planted_clusters(num_experts: int, num_clusters: int, seed: int = 0) -> np.ndarray:
