@@ -9,16 +9,21 @@ setup(
     install_requires=[
         # torch 2.13.0's CPU wheel is what the CPU CI uses; any 2.x Megatron-Core 0.16 supports works
         "torch>=2.6,<2.15",
-        "megatron-core>=0.16.0,<0.17",
+        "megatron-core>=0.16,<0.20",
+        # megatron-core 0.18+ imports triton unguarded (megatron/core/transformer/moe/paged_stash.py), and pip
+        # picks 0.18+/0.19 on Python >= 3.12. CUDA torch builds already bring triton; CPU torch builds don't.
+        'triton>=3.0; python_version >= "3.12" and sys_platform == "linux"',
         "numpy>=1.24",
+        "packaging>=24",  # megatron_llep.compat.mcore compares Megatron-Core versions
         # the offline-run reader (megatron_llep.testing.wandb_offline) parses wandb 0.31's file format
         "wandb>=0.31,<0.32",
         "pillow>=9",  # wandb images (expert-load heatmaps)
-        "tokenizers>=0.15",
-        "psutil>=5",  # dist_checkpointing's writer processes need it (and hang without it)  # local Hugging Face tokenizer.json files for fine-tuning data
+        "tokenizers>=0.15",  # local Hugging Face tokenizer.json files for fine-tuning data
+        "psutil>=5",  # dist_checkpointing's writer processes need it (and hang without it)
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # matplotlib: tests/test_placement_cli.py's report test imports it through benchmarks/placement_report.py
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.7"],
         "bench": ["matplotlib>=3.7"],
         "gpu": ["transformer-engine[pytorch]>=2.6"],
     },
