@@ -106,6 +106,17 @@ def check_megatron_config(config: TransformerConfig, expert_tp_size: int) -> Non
             "use_transformer_engine_op_fuser=True: the fused TEGroupedMLP keeps its weights where borrowed "
             "experts cannot be substituted; set it to False"
         )
+    if setting("overlap_moe_expert_parallel_comm", False):
+        problems.append(
+            "overlap_moe_expert_parallel_comm=True: the combined 1F1B schedule splits the layer into nodes whose "
+            "inputs it detaches, so borrowed weights would not reach every rank's backward (collectives would hang)"
+        )
+    if setting("fp8") or setting("fp4"):
+        problems.append(
+            f"fp8={setting('fp8')!r} / fp4={setting('fp4')!r}: Transformer Engine caches each expert slot's "
+            "quantized weight per micro-batch and shares its scaling state, so borrowed experts in those slots "
+            "would silently run with the native experts' weights; train MoE layers in bf16 with LLEP"
+        )
     if setting("moe_single_grouped_weight", False):
         problems.append("moe_single_grouped_weight=True: LLEP sends experts one by one; set it to False")
     if setting("moe_paged_stash", False):
@@ -231,6 +242,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 0, self._send_perm.forward
             )
         if self._exchange is not None:
+            if self._exchange.sends:  # the weights must be this step's (overlapped param all-gather)
+                mcore.finish_param_sync(self.adapter.experts)
             self._exchange.start()
         if self.shared_experts is not None:
             mcore.shared_experts_wait_current_stream(self.shared_experts)

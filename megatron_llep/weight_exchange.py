@@ -109,14 +109,18 @@ class ExpertWeightExchange:
         for expert in self.sent_experts:
             main_grads = self.adapter.main_grads(expert - self.first_local_expert)
             for j in range(per_expert):
-                total = incoming[expert][0][j]
-                for other in incoming[expert][1:]:
-                    total = total + other[j]
+                parts = [helper[j] for helper in incoming[expert]]
                 if main_grads[j] is not None:
-                    main_grads[j].add_(total)
+                    # one add per helper, in main_grad's dtype (fp32 under DDP), as stock EP adds the
+                    # native GEMM's gradient: no bf16 sum of partial gradients first
+                    for part in parts:
+                        main_grads[j].add_(part)
                     result.append(None)
                 else:
-                    result.append(total)
+                    total = parts[0].float()
+                    for part in parts[1:]:
+                        total = total + part.float()
+                    result.append(total.to(parts[0].dtype))
         return result
 
 

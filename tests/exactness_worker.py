@@ -204,3 +204,55 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
 def run_cases(rank: int, world: int, cases: list) -> dict:
     init_expert_parallel(world)
     return {case.name: compare_case(rank, world, case) for case in cases}
+
+
+def _main_grads_under_ddp(layer, x, dy, ids) -> list[dict[str, torch.Tensor]]:
+    """Expert gradients as Megatron DDP accumulates them (fp32 ``main_grad`` of bf16 parameters)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(layer.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
+    ddp.zero_grad_buffer()
+    force_routing(layer.router, ids)
+    out, _ = ddp(x.clone().requires_grad_())
+    (out.float() * dy.float()).sum().backward()
+    ddp.finish_grad_sync()
+    params = expert_weights(layer)
+    return [{k: p.main_grad.detach().clone() for k, p in weights.items()} for weights in params]
+
+
+def bf16_main_grad_errors(rank: int, world: int) -> dict:
+    """bf16 layers under DDP, hot routing: each expert's fp32 main_grad against a float64 reference,
+    for stock EP and for LLEP (the mean relative error over all expert weights)."""
+    init_expert_parallel(world)
+    case = Case("bf16_ddp", "hot", topk=2, num_hot=1, hot_fraction=0.95, bf16=True)
+    tokens = 96
+    cfg = moe_config(case.num_experts, 32, 24, case.topk, world, params_dtype=torch.bfloat16)
+    stock = build_moe_layer(cfg, None, seed=3)
+    llep = build_moe_layer(cfg, LLEPConfig(min_chunk_tokens=2, cost_aware=False), seed=3)
+    gen = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(tokens, 1, 32, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(tokens, 1, 32, generator=gen).to(torch.bfloat16)
+    ids = _expert_ids(case, rank, tokens)
+    experts = _gather_experts(stock, world)
+    x64 = x.view(tokens, -1).double()
+    w64 = stock.router.weight.detach().double()
+    y64 = dense_moe_reference(x64, w64, None, torch.as_tensor(ids), experts, cfg)
+    (y64 * dy.view(tokens, -1).double()).sum().backward()
+    # every rank's reference holds its own tokens' share: sum them (all experts, in one order everywhere);
+    # DDP averages over the 2 data-parallel ranks of the dense parameters (Megatron's gradient scaling)
+    for weights in experts:
+        for w in weights.values():
+            if w is not None:
+                dist.all_reduce(w.grad)
+                w.grad /= world
+    grads = {"stock": _main_grads_under_ddp(stock, x, dy, ids), "llep": _main_grads_under_ddp(llep, x, dy, ids)}
+    result = {"mode": llep.token_dispatcher.last_stats.mode}
+    for name, per_expert in grads.items():
+        err = norm = 0.0
+        for local, weights in enumerate(per_expert):
+            for key, grad in weights.items():
+                ref = experts[stock.local_expert_indices[local]][key].grad
+                err += float((grad.double() - ref).abs().sum())
+                norm += float(ref.abs().sum())
+        result[name] = err / norm
+    return result

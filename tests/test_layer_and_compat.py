@@ -80,6 +80,9 @@ def test_unsupported_megatron_settings_are_named(overrides, expert_tp, message):
         ("moe_paged_stash", True, "moe_paged_stash"),
         ("moe_latent_size", 8, "moe_latent_size"),
         ("transformer_impl", "inference_optimized", "inference_optimized"),
+        ("overlap_moe_expert_parallel_comm", True, "overlap_moe_expert_parallel_comm"),
+        ("fp8", "hybrid", "fp8='hybrid'"),
+        ("fp4", "e2m1", "fp4='e2m1'"),
     ],
 )
 def test_unsupported_newer_settings_are_named(field, value, message):

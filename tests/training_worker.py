@@ -32,7 +32,7 @@ def _config(ep: int) -> TransformerConfig:
     )
 
 
-def _build(ep: int, llep: bool, overlap: bool, state=None):
+def _build(ep: int, llep: bool, overlap: bool, state=None, overlap_param_gather: bool = False):
     config = _config(ep)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
     if llep:
@@ -43,6 +43,7 @@ def _build(ep: int, llep: bool, overlap: bool, state=None):
         model.load_state_dict(state)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, use_distributed_optimizer=True, bucket_size=2000,
+        overlap_param_gather=overlap_param_gather,
     )
     model = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(
@@ -80,14 +81,22 @@ def _train(model, optimizer, rank: int, steps: int) -> tuple[list[float], list[d
     return losses, stats
 
 
-def train_and_compare(rank: int, world: int, overlap: bool, steps: int = 3) -> dict:
-    init_expert_parallel(world)
-    plain_model, plain_opt = _build(world, llep=False, overlap=overlap)
+def train_and_compare(rank: int, world: int, overlap: bool, steps: int = 3, ep: int = 0,
+                      overlap_param_gather: bool = False) -> dict:
+    """``ep`` defaults to the world size; with ``ep < world`` experts are data-parallel too, so the
+    distributed optimizer shards them and ``overlap_param_gather`` defers their all-gather."""
+    ep = ep or world
+    init_expert_parallel(ep)
+    build = dict(overlap=overlap, overlap_param_gather=overlap_param_gather)
+    plain_model, plain_opt = _build(ep, llep=False, **build)
     initial = {k: v.detach().clone() for k, v in plain_model.module.state_dict().items() if torch.is_tensor(v)}
-    llep_model, llep_opt = _build(world, llep=True, overlap=overlap, state=plain_model.module.state_dict())
+    llep_model, llep_opt = _build(ep, llep=True, state=plain_model.module.state_dict(), **build)
     assert all(isinstance(m, LLEPMoELayer) for m in _moe_layers(llep_model))
     plain_losses, _ = _train(plain_model, plain_opt, rank, steps)
     llep_losses, llep_stats = _train(llep_model, llep_opt, rank, steps)
+    if overlap_param_gather:  # the last step's update is all-gathered only by the next forward
+        for model in (plain_model, llep_model):
+            model.start_param_sync(force_sync=True)
     plain_params = dict(plain_model.module.named_parameters())
     diffs = {}
     moved = {}

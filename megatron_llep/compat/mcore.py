@@ -143,3 +143,14 @@ def shared_experts_wait_current_stream(shared_experts: Any) -> None:
     wait = getattr(shared_experts, "wait_current_stream", None)
     if wait is not None:
         wait()
+
+
+def finish_param_sync(module: Any) -> None:
+    """Wait for Megatron DDP's overlapped parameter all-gather (distributed optimizer with
+    ``overlap_param_gather``) of ``module``'s parameters, as DDP's own forward pre-hooks do when the
+    module runs. LLEP sends expert weights in ``token_dispatch``, before the experts module runs, so
+    it must finish the sync first. Runs only DDP's hooks (found by name); idempotent."""
+    for submodule in module.modules():
+        for hook in list(submodule._forward_pre_hooks.values()):
+            if "_make_forward_pre_hook" in getattr(hook, "__qualname__", ""):
+                hook(submodule, ())
