@@ -31,7 +31,7 @@ from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
 from megatron_llep.metrics import STATS, LLEPStepStats
 from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
-from megatron_llep.weight_exchange import ExpertWeightExchange
+from megatron_llep.weight_exchange import ExpertWeightExchange, weight_exchange_group
 
 
 # torch 2.13 renamed all_gather_into_tensor (same signature); keep older torch working
@@ -163,9 +163,11 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.plan: Optional[LLEPPlan] = None
         self.rank_plan: Optional[RankPlan] = None
         self.last_stats: Optional[LLEPStepStats] = None
-        self.borrowed_weights: list[list[torch.Tensor]] = []
         self._llep_active = False
         self._exchange: Optional[ExpertWeightExchange] = None
+        # borrowed weights travel on a communicator of their own, so that under NCCL they do not
+        # queue behind (or in front of) the token all-to-all on the EP group's communicator
+        self.weight_group = weight_exchange_group(self.ep_group)
         # Megatron sets this only in its own preprocess; its D2H helper reads it on every step.
         self.num_global_tokens_per_local_expert = None
 
@@ -195,7 +197,6 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)
             STATS.record(self.last_stats)
 
-        self.borrowed_weights = []
         if plan.is_plain_ep:
             self._llep_active = False
             self._exchange = None
@@ -209,7 +210,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._input_split_list = rank_plan.input_splits.tolist()
         self._output_split_list = rank_plan.output_splits.tolist()
         exchange = ExpertWeightExchange(
-            self.ep_group,
+            self.weight_group,
             self.adapter,
             self.local_expert_indices[0],
             rank_plan.weights_to_send,
@@ -228,6 +229,12 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.num_local_experts > 1:
             self.num_global_tokens_per_local_expert = torch.from_numpy(local.copy()).to(self.permute_idx_device)
         return torch.from_numpy(local.sum(axis=0))
+
+    @property
+    def weight_exchange(self) -> Optional[ExpertWeightExchange]:
+        """This step's weight transfers, posted in ``token_dispatch``; ``None`` when this rank
+        neither lends nor borrows an expert (the layer finishes it after the native experts)."""
+        return self._exchange if self._llep_active else None
 
     # ------------------------------------------------------------------ dispatch
     def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
@@ -252,8 +259,6 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
             # the overlapped shared expert's fc1 runs behind the token a2a (Megatron 0.18+'s order)
             self.shared_experts.linear_fc1_forward_and_act(global_tokens)
         global_probs = self._all_to_all(probs, self._output_split_list, self._input_split_list)
-        if self._exchange is not None:
-            global_tokens, self.borrowed_weights = self._exchange.finish(global_tokens)
         return global_tokens, global_probs
 
     def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):

@@ -74,20 +74,27 @@ class ExpertAdapter(ABC):
             dtype_bytes=self.expert_tensors(0)[0].element_size(),
         )
 
-    def forward(
+    def forward_native(self, hidden: torch.Tensor, tokens_per_slot: Sequence[int], probs: torch.Tensor) -> torch.Tensor:
+        """The native experts on the first ``num_local_experts`` slots' rows (the leading rows)."""
+        counts = [int(c) for c in tokens_per_slot[: self.num_local_experts]]
+        rows = sum(counts)
+        return self.experts(hidden[:rows], torch.tensor(counts), probs[:rows])[0]
+
+    def forward_borrowed(
         self,
         hidden: torch.Tensor,
         tokens_per_slot: Sequence[int],
         probs: torch.Tensor,
         borrowed: Sequence[Tensors],
-    ) -> torch.Tensor:
-        """Native experts on the first ``num_local_experts`` slots, then each borrowed expert."""
+    ) -> list[torch.Tensor]:
+        """Each borrowed expert's slot (after the native ones) through the experts module with the
+        borrowed weights substituted, ``num_local_experts`` experts per call."""
         local = self.num_local_experts
         counts = [int(c) for c in tokens_per_slot]
         if len(counts) != local + len(borrowed):
             raise ValueError(f"{len(counts)} slot counts for {local} native and {len(borrowed)} borrowed experts")
         rows = sum(counts[:local])
-        outputs = [self.experts(hidden[:rows], torch.tensor(counts[:local]), probs[:rows])[0]]
+        outputs = []
         for start in range(0, len(borrowed), local):
             group = borrowed[start : start + local]
             group_counts = counts[local + start : local + start + len(group)]
@@ -102,7 +109,7 @@ class ExpertAdapter(ABC):
                 )
             outputs.append(out)
             rows += group_rows
-        return torch.cat(outputs, dim=0)
+        return outputs
 
 
 class SequentialMLPAdapter(ExpertAdapter):

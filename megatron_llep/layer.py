@@ -70,15 +70,15 @@ class LLEPMoELayer(MoELayer):
         dispatcher = self.token_dispatcher
         if not dispatcher.llep_active:
             return super().routed_experts_compute(hidden_states, probs)
-        dispatched_input, tokens_per_slot, permuted_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
-        if dispatcher.borrowed_weights:
-            expert_output = self.expert_adapter.forward(
-                dispatched_input, tokens_per_slot.tolist(), permuted_probs, dispatcher.borrowed_weights
-            )
-        else:
-            expert_output, mlp_bias = self.experts(dispatched_input, tokens_per_slot, permuted_probs)
-            assert mlp_bias is None, "experts must fold their bias into the output for token dispatch"
-        return dispatcher.combine_preprocess(expert_output), None
+        hidden, tokens_per_slot, slot_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
+        counts = tokens_per_slot.tolist()
+        # native experts first, while the borrowed weights may still be in flight
+        output = self.expert_adapter.forward_native(hidden, counts, slot_probs)
+        borrowed = []
+        if dispatcher.weight_exchange is not None:
+            output, borrowed = dispatcher.weight_exchange.finish(output)
+        outputs = [output, *self.expert_adapter.forward_borrowed(hidden, counts, slot_probs, borrowed)]
+        return dispatcher.combine_preprocess(torch.cat(outputs, dim=0)), None
 
 
 def with_llep(spec: Any, llep_config: Optional[LLEPConfig] = None) -> Any:

@@ -1,13 +1,14 @@
 """Borrowed expert weights: native -> helper in forward, their gradients helper -> native in backward.
 
-Forward: :meth:`ExpertWeightExchange.start` posts the P2P sends/receives (so they overlap the token
-all-to-all), :meth:`finish` waits and hands out the received weights through an autograd function.
+Forward: :meth:`ExpertWeightExchange.start` posts the P2P sends/receives on a communicator of their
+own (:func:`weight_exchange_group`) before the token all-to-all; the native experts run while they
+travel; :meth:`finish` then waits and hands out the received weights through an autograd function.
 
 Backward: the same function sends each borrowed weight's gradient back to the native rank, which
 adds it to the native expert's gradient — into ``main_grad`` directly under Megatron DDP (its
 hooks may already be ignoring ``param.grad`` for fused wgrad), otherwise into ``param.grad``
-through autograd. The function also passes the received tokens (the "anchor") through, so its
-backward runs, on every participating rank, strictly between the combine and the dispatch
+through autograd. The function also passes the native experts' output (the "anchor") through, so
+its backward runs, on every participating rank, strictly between the combine and the dispatch
 all-to-all backward of the same layer: the gradient return can never deadlock against them.
 """
 
@@ -19,6 +20,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_llep.experts import ExpertAdapter
+
+
+_WEIGHT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def weight_exchange_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A communicator over the same ranks as ``ep_group``, one per EP group and process. Created
+    by the group's members only (``use_local_synchronization``), when their first LLEP layer is
+    built: every member builds the same layers, so they all get here together."""
+    ranks = tuple(dist.get_process_group_ranks(ep_group))
+    if ranks not in _WEIGHT_GROUPS:
+        _WEIGHT_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _WEIGHT_GROUPS[ranks]
 
 
 class ExpertWeightExchange:
@@ -70,7 +84,12 @@ class ExpertWeightExchange:
 
     def finish(self, anchor: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Wait for the weights; returns the anchor (pass it on) and the borrowed experts' tensors
-        in ``receives`` order, connected to autograd for the gradient return."""
+        in ``receives`` order, connected to autograd for the gradient return.
+
+        The anchor is the native experts' output: its gradient arrives right after the combine
+        all-to-all's backward, and the native experts' backward (then the dispatch all-to-all's)
+        waits for this function's, so every participating rank returns gradients between the
+        layer's two all-to-all backwards: the P2P exchange cannot cross them."""
         inputs = [t for expert in self.sent_experts for t in self._native_tensors(expert)]
         # Tie the outputs to a native parameter so that every rank's borrowed weights require grad
         # exactly when its expert parameters do (a rank that only receives has no other input).

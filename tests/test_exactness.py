@@ -86,6 +86,11 @@ def test_llep_equals_plain_ep(ep_results, name):
         assert first["weight_transfers"] == 0 and first["spilled_tokens"] == 0
 
 
+def test_weights_travel_on_their_own_communicator_over_the_ep_ranks(ep_results):
+    _, per_rank = ep_results
+    assert all(r[name]["separate_weight_group"] for r in per_rank for name in r)
+
+
 def test_a_helper_can_borrow_more_experts_than_it_owns(ep_results):
     ep, per_rank = ep_results
     borrowed = max(r["borrow_more_than_native"]["borrowed_here"] for r in per_rank)
