@@ -18,12 +18,14 @@ setup(
         # the offline-run reader (megatron_llep.testing.wandb_offline) parses wandb 0.31's file format
         "wandb>=0.31,<0.32",
         "pillow>=9",  # wandb images (expert-load heatmaps)
+        "safetensors>=0.4",  # Hugging Face checkpoints in and out (recipes/hf)
         "tokenizers>=0.15",  # local Hugging Face tokenizer.json files for fine-tuning data
         "psutil>=5",  # dist_checkpointing's writer processes need it (and hang without it)
     ],
     extras_require={
         # matplotlib: tests/test_placement_cli.py's report test imports it through benchmarks/placement_report.py
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.7"],
+        # transformers: the independent gpt-oss / DeepSeek-V3 implementation the parity tests compare against
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.7", "transformers>=5.0,<6"],
         "bench": ["matplotlib>=3.7"],
         "gpu": ["transformer-engine[pytorch]>=2.6"],
     },
