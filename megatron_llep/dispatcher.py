@@ -15,6 +15,8 @@ outputs are laid out exactly as plain EP's.
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import numpy as np
@@ -139,6 +141,19 @@ def check_megatron_config(config: TransformerConfig, expert_tp_size: int) -> Non
         raise ValueError("LLEP cannot run with this Megatron config:\n  - " + "\n  - ".join(problems))
 
 
+@dataclass
+class _StepPlan:
+    """One forward's plan and what this rank derived from it (kept for its recompute)."""
+
+    counts: np.ndarray
+    plan: LLEPPlan
+    input_key: tuple
+    rank_plan: Optional[RankPlan] = None
+    send_perm: Optional[_RowPermutation] = None
+    recv_perm: Optional[_RowPermutation] = None
+    exchange: Optional[ExpertWeightExchange] = None
+
+
 class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Alltoall dispatcher that balances expert load across EP ranks each step (LLEP)."""
 
@@ -165,6 +180,12 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.last_stats: Optional[LLEPStepStats] = None
         self._llep_active = False
         self._exchange: Optional[ExpertWeightExchange] = None
+        self._input_key: tuple = ()
+        # set by the layer when Megatron recomputes its forward in backward (selective "moe" or full
+        # recompute): the plans of forwards awaiting their recompute, oldest first
+        self.forward_is_recomputed = False
+        self.training = True
+        self._awaiting_recompute: deque["_StepPlan"] = deque()
         # borrowed weights travel on a communicator of their own, so that under NCCL they do not
         # queue behind (or in front of) the token all-to-all on the EP group's communicator
         self.weight_group = weight_exchange_group(self.ep_group)
@@ -177,8 +198,14 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """True in a step whose plan moves tokens off their native ranks."""
         return self._llep_active
 
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        # the layer input's storage identifies a micro-batch when its forward is recomputed in backward
+        self._input_key = (hidden_states.data_ptr(), tuple(hidden_states.shape))
+        return super().dispatch_preprocess(hidden_states, routing_map, probs)
+
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """Gather the global counts, plan, and set the metadata of the chosen path."""
+        """Gather the global counts, plan (or take the plan of the forward being recomputed), and
+        set the metadata of the chosen path."""
         if self.ep_size == 1 or not self.llep_config.enabled:
             self._llep_active = False
             return super().preprocess(routing_map)
@@ -187,38 +214,63 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         gathered = torch.empty(self.ep_size * self.num_experts, dtype=torch.long, device=device)
         _all_gather_single(gathered, local_counts, group=self.ep_group)
         counts = gathered.view(self.ep_size, self.num_experts).cpu().numpy()
+        self.num_out_tokens = int(counts[self.ep_rank].sum())
 
+        step = self._recomputed_step(counts)
+        if step is None:
+            step = self._plan_step(counts, device)
+            if self.forward_is_recomputed and self.training_forward_without_grad():
+                self._awaiting_recompute.append(step)
+        self.plan, self.rank_plan, self._exchange = step.plan, step.rank_plan, step.exchange
+        if step.plan.is_plain_ep:
+            self._llep_active = False
+            return self._plain_ep_metadata(counts)
+        self._llep_active = True
+        self._send_perm, self._recv_perm = step.send_perm, step.recv_perm
+        self._input_split_list = step.rank_plan.input_splits.tolist()
+        self._output_split_list = step.rank_plan.output_splits.tolist()
+        return torch.from_numpy(step.rank_plan.tokens_per_slot.copy())
+
+    def _plan_step(self, counts: np.ndarray, device: torch.device) -> "_StepPlan":
         start = time.perf_counter()
         plan = plan_llep(counts, self.llep_config, self.expert_shape)
         plan_time = time.perf_counter() - start
-        self.plan = plan
-        self.num_out_tokens = int(counts[self.ep_rank].sum())
         if self.llep_config.record_stats:
             self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)
             STATS.record(self.last_stats)
-
+        step = _StepPlan(counts, plan, self._input_key)
         if plan.is_plain_ep:
-            self._llep_active = False
-            self._exchange = None
-            return self._plain_ep_metadata(counts)
-
-        self._llep_active = True
-        rank_plan = plan.rank_view(self.ep_rank)
-        self.rank_plan = rank_plan
-        self._send_perm = _RowPermutation(rank_plan.send_order(), device)
-        self._recv_perm = _RowPermutation(rank_plan.recv_order(), device)
-        self._input_split_list = rank_plan.input_splits.tolist()
-        self._output_split_list = rank_plan.output_splits.tolist()
+            return step
+        step.rank_plan = plan.rank_view(self.ep_rank)
+        step.send_perm = _RowPermutation(step.rank_plan.send_order(), device)
+        step.recv_perm = _RowPermutation(step.rank_plan.recv_order(), device)
         exchange = ExpertWeightExchange(
             self.weight_group,
             self.adapter,
             self.local_expert_indices[0],
-            rank_plan.weights_to_send,
-            rank_plan.weights_to_receive,
+            step.rank_plan.weights_to_send,
+            step.rank_plan.weights_to_receive,
             device,
         )
-        self._exchange = exchange if exchange.active else None
-        return torch.from_numpy(rank_plan.tokens_per_slot.copy())
+        step.exchange = exchange if exchange.active else None
+        return step
+
+    def training_forward_without_grad(self) -> bool:
+        """A training forward whose autograd graph is not built now: Megatron's activation
+        recompute runs it under ``no_grad`` and again, with grad, in backward."""
+        return self.training and not torch.is_grad_enabled()
+
+    def _recomputed_step(self, counts: np.ndarray) -> Optional["_StepPlan"]:
+        """The saved plan (and received weights) of the forward that backward is recomputing now,
+        matched by the layer input's storage and the global counts; ``None`` otherwise. Every EP
+        rank matches or misses together: they gathered the same counts."""
+        if not self._awaiting_recompute or not torch.is_grad_enabled():
+            return None
+        step = self._awaiting_recompute.popleft()
+        if step.input_key == self._input_key and np.array_equal(step.counts, counts):
+            return step
+        self._awaiting_recompute.clear()  # out of order (or a forward that was never recomputed)
+        return None
 
     def _plain_ep_metadata(self, counts: np.ndarray) -> torch.Tensor:
         """Megatron's preprocess outputs (expert TP size 1), derived from the gathered counts."""

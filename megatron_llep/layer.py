@@ -59,6 +59,16 @@ class LLEPMoELayer(MoELayer):
         )
         if shared_experts is not None:
             self.token_dispatcher.set_shared_experts(shared_experts)
+        # Megatron recomputes this layer's forward in backward (selective "moe" or full recompute):
+        # the recompute reuses the forward's plan and received weights
+        self.token_dispatcher.forward_is_recomputed = bool(
+            self.moe_layer_recompute or getattr(config, "recompute_granularity", None) == "full"
+        )
+
+    def train(self, mode: bool = True) -> "LLEPMoELayer":
+        super().train(mode)
+        self.token_dispatcher.training = mode
+        return self
 
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)

@@ -60,6 +60,7 @@ class ExpertWeightExchange:
             for expert, _ in self.receives
         }
         self._pending: list = []
+        self._posted = False
 
     @property
     def active(self) -> bool:
@@ -72,7 +73,11 @@ class ExpertWeightExchange:
         return self.adapter.expert_tensors(expert - self.first_local_expert)
 
     def start(self) -> None:
-        """Post the weight sends and receives without waiting (call before the token all-to-all)."""
+        """Post the weight sends and receives without waiting (call before the token all-to-all).
+        Once per step: a recomputed forward reuses the weights already received."""
+        if self._posted:
+            return
+        self._posted = True
         ops = []
         for expert, helper in self.sends:
             for tensor in self._native_tensors(expert):
