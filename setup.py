@@ -19,7 +19,8 @@ setup(
         "wandb>=0.31,<0.32",
         "pillow>=9",  # wandb images (expert-load heatmaps)
         "safetensors>=0.4",  # Hugging Face checkpoints in and out (recipes/hf)
-        "tokenizers>=0.15",  # local Hugging Face tokenizer.json files for fine-tuning data
+        "tokenizers>=0.15",
+        "jinja2>=3.1.6",  # chat templates of local Hugging Face tokenizers (recipes/data.py); sandbox fixes  # local Hugging Face tokenizer.json files for fine-tuning data
         "psutil>=5",  # dist_checkpointing's writer processes need it (and hang without it)
     ],
     extras_require={
