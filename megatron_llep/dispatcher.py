@@ -60,13 +60,38 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) ->
 
 
 class _RowPermutation:
-    """A row permutation and its inverse, on the device they are applied on."""
+    """A row permutation and its inverse, built on the device they are applied on.
 
-    def __init__(self, index: np.ndarray, device: torch.device) -> None:
-        inverse = np.empty_like(index)
-        inverse[index] = np.arange(index.size, dtype=index.dtype)
-        self.forward = torch.from_numpy(index).to(device, non_blocking=True)
-        self.inverse = torch.from_numpy(inverse).to(device, non_blocking=True)
+    Rows come in chunks (e.g. expert-major blocks, split by destination); the permutation puts
+    the chunks in another order. Only the ``[chunks]`` sizes and the chunk order cross from the
+    host; the per-row indices are built on the device (no host loop over rows, no row-sized copy).
+    """
+
+    def __init__(self, chunk_sizes: np.ndarray, chunk_order: np.ndarray, device: torch.device) -> None:
+        total = int(chunk_sizes.sum())
+        sizes = torch.from_numpy(np.ascontiguousarray(chunk_sizes, dtype=np.int64)).to(device, non_blocking=True)
+        order = torch.from_numpy(np.ascontiguousarray(chunk_order, dtype=np.int64)).to(device, non_blocking=True)
+        source_starts = torch.cumsum(sizes, 0) - sizes
+        new_sizes = sizes.index_select(0, order)
+        new_starts = torch.cumsum(new_sizes, 0) - new_sizes
+        shift = source_starts.index_select(0, order) - new_starts
+        rows = torch.arange(total, device=device)
+        self.forward = rows + torch.repeat_interleave(shift, new_sizes, output_size=total)
+        self.inverse = torch.empty_like(self.forward).scatter_(0, self.forward, rows)
+
+    @classmethod
+    def send_order(cls, rank_plan: RankPlan, device: torch.device) -> "_RowPermutation":
+        """Expert-major permuted tokens (Megatron's permute) -> destination-major a2a input."""
+        num_experts, ep = rank_plan.send_counts.shape
+        chunk_order = np.arange(num_experts * ep).reshape(num_experts, ep).T.ravel()
+        return cls(rank_plan.send_counts.ravel(), chunk_order, device)
+
+    @classmethod
+    def recv_order(cls, rank_plan: RankPlan, device: torch.device) -> "_RowPermutation":
+        """a2a output (source-major) -> slot-major expert input (native slots, then borrowed)."""
+        ep, num_experts = rank_plan.recv_counts.shape
+        chunk_order = (np.arange(ep)[None, :] * num_experts + rank_plan.slot_experts[:, None]).ravel()
+        return cls(rank_plan.recv_counts.ravel(), chunk_order, device)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return permute_rows(x, self.forward, self.inverse)
@@ -242,8 +267,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if plan.is_plain_ep:
             return step
         step.rank_plan = plan.rank_view(self.ep_rank)
-        step.send_perm = _RowPermutation(step.rank_plan.send_order(), device)
-        step.recv_perm = _RowPermutation(step.rank_plan.recv_order(), device)
+        step.send_perm = _RowPermutation.send_order(step.rank_plan, device)
+        step.recv_perm = _RowPermutation.recv_order(step.rank_plan, device)
         exchange = ExpertWeightExchange(
             self.weight_group,
             self.adapter,

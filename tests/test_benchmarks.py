@@ -48,3 +48,11 @@ def test_gpu_script_dry_run(tmp_path):
     data, _ = _bench("gpu_h200.py", "--dry-run", "--cpu", "--repeats", "1", "--ep", "4", tmp_path=str(tmp_path))
     assert {r["scenario"] for r in data["rows"]} == {"balanced", "0.95:1"}
     assert all(r["llep_ms"] > 0 and r["ep_ms"] > 0 for r in data["rows"])
+
+
+def test_host_overhead(tmp_path):
+    data, stdout = _bench("host_overhead.py", "--repeats", "1", tmp_path=str(tmp_path))
+    assert "extra host ms" in stdout
+    rows = {r["scenario"]: r for r in data["rows"]}
+    assert rows["balanced"]["mode"] == "plain" and rows["balanced"]["extra_rows"] == 0
+    assert rows["0.95:4"]["mode"] == "llep" and rows["0.95:4"]["extra_rows"] > 0
