@@ -1,0 +1,206 @@
+"""Hugging Face checkpoints in and out of the fine-tuning recipes (run under torchrun, or as one process).
+
+Import (HF -> a Megatron checkpoint in recipes/checkpointing.py's layout, iteration 0, that
+``recipes/finetune.py --load OUT`` resumes from with the same recipe, layout and --seq-length)::
+
+    python -m torch.distributed.run --nproc_per_node 8 -m recipes.hf import --hf /models/gpt-oss-20b \\
+        --recipe gpt-oss-20b --out ckpt [--expert-model-parallel-size 8 --seq-length 4096 ... any finetune.py flag]
+
+Export (a Megatron checkpoint saved by finetune.py or by ``import`` -> HF safetensors + config.json,
+bf16, experts in their original order even if the run used a CAP placement)::
+
+    python -m torch.distributed.run --nproc_per_node 2 -m recipes.hf export --load ckpt --out hf_out
+
+The model sizes come from the config.json recorded in the checkpoint (runs started from
+``--hf-checkpoint`` or ``import``), from ``--hf-config``, or from the recipe. Any TP/PP/EP layout
+can export any checkpoint (dist_checkpointing reshards). Errors are one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+PREFIX = "[recipes.hf]"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m recipes.hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face checkpoint -> Megatron checkpoint (iteration 0)",
+                         description="Other flags are finetune.py's (layout, --seq-length, --dtype, ...): the "
+                                     "checkpoint resumes with the same ones.")
+    imp.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face checkpoint directory")
+    imp.add_argument("--recipe", required=True, help="gpt-oss-20b, gpt-oss-120b, gpt-oss-tiny (any size), deepseek-v3, ...")
+    imp.add_argument("--out", required=True, metavar="DIR", help="save directory (finetune.py --load DIR)")
+    exp = sub.add_parser("export", help="Megatron checkpoint -> Hugging Face safetensors + config.json")
+    exp.add_argument("--load", required=True, metavar="DIR", help="finetune.py --save directory or one iter_* directory")
+    exp.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
+    exp.add_argument("--recipe", default=None, help="default: the checkpoint's")
+    exp.add_argument("--hf-config", default=None, metavar="PATH",
+                     help="config.json (or its directory) giving the model sizes, if the checkpoint records none")
+    exp.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    exp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    exp.add_argument("--expert-model-parallel-size", type=int, default=None, help="default: world / (TP x PP)")
+    exp.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the written tensors")
+    exp.add_argument("--max-shard-size-gib", type=float, default=5.0)
+    return parser
+
+
+def _single_process_env() -> None:
+    """Run as one process when not started by torchrun."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _fail(message: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    raise SystemExit(2)
+
+
+def _log(message: str) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"{PREFIX} {message}", flush=True)
+
+
+def run_import(args: argparse.Namespace, rest: list[str]) -> str:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from recipes import checkpointing, finetune
+
+    fargs = finetune.parse_args(["--recipe", args.recipe, "--hf-checkpoint", args.hf, "--save", args.out, *rest])
+    rank, world, device = finetune.init_distributed()
+    try:
+        hf_config = finetune.hf_config_for(fargs)
+        num_experts = finetune.make_recipe(fargs, hf_config, cpu=device.type == "cpu").config.num_moe_experts
+        layout = finetune.parallel_layout(fargs, world, num_experts)
+    except finetune.ConfigError as err:
+        _fail(str(err))
+    parallel_state.initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=layout["ep"],
+                                             expert_tensor_parallel_size=1)
+    torch.manual_seed(fargs.seed)
+    model_parallel_cuda_manual_seed(fargs.seed)
+    try:
+        recipe, model, optimizer, scheduler = finetune.build(fargs, layout, device, 0, None, hf_config,
+                                                             import_hf=args.hf)
+    except finetune.ConfigError as err:
+        _fail(str(err))
+    # the distributed optimizer's sharded state needs Adam's (zero) state entries before any step
+    checkpointing._create_empty_adam_state(optimizer)
+    run_info = finetune.run_info_for(fargs, layout, world, hf_config)
+    directory = checkpointing.save_checkpoint(args.out, model, optimizer, scheduler, checkpointing.TrainingProgress(),
+                                              run_info)
+    _log(f"wrote {directory} ({recipe.name}, TP={layout['tp']} PP={layout['pp']} EP={layout['ep']}); fine-tune with: "
+         f"recipes/finetune.py --recipe {args.recipe} --load {args.out} --save {args.out} "
+         f"{' '.join(rest)}".rstrip())
+    parallel_state.destroy_model_parallel()
+    return directory
+
+
+def _read_hf_config(path: str) -> dict:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--hf-config {path}: cannot read {file} ({err})") from None
+
+
+def run_export(args: argparse.Namespace) -> str:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_llep.placement import read_checkpoint_placement
+    from recipes import checkpointing, finetune
+    from recipes.hf.convert import ConversionError, export_hf_checkpoint, family_module
+
+    rank, world, device = finetune.init_distributed()
+    try:
+        directory = checkpointing.resolve_checkpoint(args.load)
+        run_info = dist_checkpointing.load_common_state_dict(directory).get("run_info", {})
+        recipe_name = args.recipe or run_info.get("recipe")
+        if recipe_name is None:
+            raise ValueError(f"{directory} records no recipe: pass --recipe")
+        hf_config = _read_hf_config(args.hf_config) if args.hf_config else run_info.get("hf_config")
+        family = family_module(recipe_name)
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        if world % (tp * pp):
+            raise ValueError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
+        ep = args.expert_model_parallel_size or world // (tp * pp)
+        fargs = argparse.Namespace(recipe=recipe_name, hf_checkpoint=args.hf_config, load=args.load)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        recipe = finetune.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
+                                      cpu=device.type == "cpu")
+    except (ValueError, checkpointing.CheckpointError) as err:
+        _fail(str(err))
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    model_parallel_cuda_manual_seed(0)
+    model = GPTModel(recipe.config, recipe.layer_spec(), mtp_block_spec=recipe.mtp_spec(recipe.layer_spec()),
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(), **recipe.gpt_model_kwargs())
+    if device.type == "cuda":
+        model.cuda(device)
+    state = {"model": model.sharded_state_dict(metadata=checkpointing.SHARDING_METADATA)}
+    loaded = dist_checkpointing.load(state, directory)
+    model.load_state_dict(loaded["model"])
+    placement = read_checkpoint_placement(directory)
+    generated = family.hf_config_from_recipe(recipe)
+    config_json = {k: v for k, v in (hf_config or {}).items() if k != "quantization_config"}
+    config_json.update(generated)
+    _log(f"exporting {directory} ({recipe.name}{', CAP placement undone' if placement else ''}) to {args.out}")
+    try:
+        report = export_hf_checkpoint([model], recipe_name, args.out, config_json,
+                                      dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
+                                      placement=placement, max_shard_bytes=int(args.max_shard_size_gib * 2**30))
+    except ConversionError as err:
+        _fail(str(err))
+    _log(f"wrote {report.tensors} tensors, {report.bytes_written / 2**20:.1f} MiB in {len(report.files)} shard(s) "
+         f"to {args.out} in {report.seconds:.1f} s")
+    parallel_state.destroy_model_parallel()
+    dist.barrier()
+    return args.out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "export" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "import" and not os.path.isdir(args.hf):
+        parser.error(f"--hf: {args.hf} is not a directory")
+    if args.command == "export" and not os.path.isdir(args.load):
+        parser.error(f"--load: {args.load} is not a directory")
+    _single_process_env()
+    import torch.distributed as dist
+
+    if args.command == "import":
+        run_import(args, rest)
+    else:
+        run_export(args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Hugging Face checkpoint directories: a lazy, counting reader and a sharded writer (safetensors).
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
+``model-0000k-of-0000n.safetensors`` shards listed by ``model.safetensors.index.json``.
+
+:class:`HFCheckpoint` opens shards lazily with ``safetensors.safe_open`` and reads one tensor, or
+a run of leading-dim rows of one tensor (:meth:`HFCheckpoint.get_rows`: a rank reads only its own
+experts of a fused ``[E, ...]`` tensor), counting the bytes it returns. At most ``max_open`` shard
+handles stay open (least recently used first out), so the mapped pages of shards a rank is done
+with are released. :class:`HFCheckpointWriter` writes bf16 (by default) shards of bounded size, the
+index and ``config.json``, as ``save_pretrained`` lays them out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face checkpoint directory that is missing, incomplete or malformed."""
+
+
+def _safe_open(path: str):
+    from safetensors import safe_open
+
+    return safe_open(path, framework="pt", device="cpu")
+
+
+class HFCheckpoint:
+    """Read-only view of a Hugging Face safetensors checkpoint directory.
+
+    ``config`` is the parsed ``config.json``; ``bytes_read`` counts the bytes of every tensor
+    returned so far; ``names_read`` the names read (fully or in part).
+    """
+
+    def __init__(self, directory: str, max_open: int = 2) -> None:
+        self.directory = directory
+        if not os.path.isdir(directory):
+            raise HFCheckpointError(f"{directory}: not a directory (expected a Hugging Face checkpoint with config.json "
+                                    f"and *.safetensors)")
+        config_path = os.path.join(directory, CONFIG_FILE)
+        if not os.path.isfile(config_path):
+            raise HFCheckpointError(f"{config_path}: missing (every Hugging Face checkpoint directory has one)")
+        try:
+            with open(config_path) as f:
+                self.config: dict = json.load(f)
+        except json.JSONDecodeError as err:
+            raise HFCheckpointError(f"{config_path}: not valid JSON ({err})") from None
+        index_path = os.path.join(directory, INDEX_FILE)
+        single_path = os.path.join(directory, SINGLE_FILE)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise HFCheckpointError(f"{index_path}: not a safetensors index ({err!r})") from None
+            self._shard_of: dict[str, str] = dict(weight_map)
+            for shard in sorted(set(self._shard_of.values())):
+                if not os.path.isfile(os.path.join(directory, shard)):
+                    raise HFCheckpointError(f"{os.path.join(directory, shard)}: listed in {INDEX_FILE} but missing")
+        elif os.path.isfile(single_path):
+            with _safe_open(single_path) as handle:
+                self._shard_of = {name: SINGLE_FILE for name in handle.keys()}
+        else:
+            raise HFCheckpointError(f"{directory}: neither {INDEX_FILE} nor {SINGLE_FILE} (expected Hugging Face "
+                                    f"safetensors weights)")
+        self.max_open = max(1, max_open)
+        self._handles: OrderedDict[str, object] = OrderedDict()
+        self.bytes_read = 0
+        self.names_read: set[str] = set()
+
+    # -- names and metadata -------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._shard_of)
+
+    def has(self, name: str) -> bool:
+        return name in self._shard_of
+
+    def shard_of(self, name: str) -> str:
+        return self._shard_of[self._check(name)]
+
+    def shards(self) -> list[str]:
+        return sorted(set(self._shard_of.values()))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def _check(self, name: str) -> str:
+        if name not in self._shard_of:
+            raise HFCheckpointError(f"{self.directory}: no tensor {name!r} in the checkpoint")
+        return name
+
+    def _handle(self, name: str):
+        shard = self._shard_of[self._check(name)]
+        handle = self._handles.pop(shard, None)
+        if handle is None:
+            handle = _safe_open(os.path.join(self.directory, shard))
+            while len(self._handles) >= self.max_open:
+                _, old = self._handles.popitem(last=False)
+                _close(old)
+        self._handles[shard] = handle
+        return handle
+
+    # -- reading ------------------------------------------------------------------------------
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` (in its stored dtype)."""
+        tensor = self._handle(name).get_tensor(name)
+        self._count(name, tensor)
+        return tensor
+
+    def get_rows(self, name: str, index: Union[int, slice, Sequence[int]]) -> torch.Tensor:
+        """Rows of ``name`` along its leading dimension, reading only those bytes: an int (the
+        row without its leading dim), a slice, or a sequence of row ids (read run by run)."""
+        sliced = self._handle(name).get_slice(name)
+        rows = sliced.get_shape()[0]
+        if isinstance(index, int):
+            if not -rows <= index < rows:
+                raise HFCheckpointError(f"{name}: row {index} out of range (leading dim {rows})")
+            index = index % rows
+            tensor = sliced[index:index + 1][0]
+        elif isinstance(index, slice):
+            tensor = sliced[index]
+        else:
+            ids = [int(i) for i in index]
+            if any(not 0 <= i < rows for i in ids):
+                raise HFCheckpointError(f"{name}: rows {ids} out of range (leading dim {rows})")
+            parts, start = [], 0
+            while start < len(ids):  # contiguous runs
+                stop = start + 1
+                while stop < len(ids) and ids[stop] == ids[stop - 1] + 1:
+                    stop += 1
+                parts.append(sliced[ids[start]:ids[stop - 1] + 1])
+                start = stop
+            tensor = torch.cat(parts) if len(parts) != 1 else parts[0]
+        self._count(name, tensor)
+        return tensor
+
+    def _count(self, name: str, tensor: torch.Tensor) -> None:
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        self.names_read.add(name)
+
+    def release(self) -> None:
+        """Close the open shard handles (unmapping the pages read so far); the next read reopens
+        its shard. The import calls this after every layer, so a rank's resident file pages stay
+        bounded by about one layer's worth of what it reads."""
+        while self._handles:
+            _close(self._handles.popitem()[1])
+
+    close = release
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _close(handle) -> None:
+    exit_ = getattr(handle, "__exit__", None)
+    if exit_ is not None:
+        try:
+            exit_(None, None, None)
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+
+
+class HFCheckpointWriter:
+    """Write tensors as ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes``
+    (a single tensor larger than that gets a shard of its own), ``model.safetensors.index.json``
+    and ``config.json``. Tensors are cast to ``dtype`` (bf16 by default; ``None`` keeps theirs).
+    Call :meth:`add` in the order the shards should hold them and :meth:`close` at the end."""
+
+    def __init__(self, directory: str, config: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16,
+                 max_shard_bytes: int = 5 * 2**30) -> None:
+        self.directory = directory
+        self.config = config
+        self.dtype = dtype
+        self.max_shard_bytes = max_shard_bytes
+        os.makedirs(directory, exist_ok=True)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._written: list[tuple[str, list[str]]] = []  # (temporary file, names)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> None:
+        """Queue ``tensor`` as ``name``, cast to ``dtype`` (default: the writer's)."""
+        if name in self._pending or any(name in names for _, names in self._written):
+            raise HFCheckpointError(f"{name}: written twice")
+        tensor = tensor.detach().to("cpu")
+        dtype = dtype or self.dtype
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensor = tensor.contiguous()
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def add_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._pending:
+            return
+        path = os.path.join(self.directory, f".shard-{len(self._written):05d}.safetensors.tmp")
+        save_file(self._pending, path, metadata={"format": "pt"})
+        self._written.append((path, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Write the last shard, name the shards, write the index and config.json; returns the
+        shard file names."""
+        self._flush()
+        count = len(self._written)
+        weight_map: dict[str, str] = {}
+        files = []
+        for k, (path, names) in enumerate(self._written):
+            name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(path, os.path.join(self.directory, name))
+            files.append(name)
+            weight_map.update({n: name for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+        if self.config is not None:
+            with open(os.path.join(self.directory, CONFIG_FILE), "w") as f:
+                json.dump(self.config, f, indent=2, sort_keys=True)
+        return files
