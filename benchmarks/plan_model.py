@@ -1,11 +1,14 @@
 """Plan-level model of the SPEC layer experiment at full shapes, P = 8..64 (no GPU needed).
 
 For every layer shape (gpt-oss-120b, DeepSeek-V3, Kimi-K2), EP size and scenario it samples the
-routed-token counts, plans plain EP and LLEP, and reports max/mean rank load, token and weight
-bytes moved, the layer time the cost model predicts, the force-balanced ideal, a peak-memory model
-and the planner's own time per call.
+routed-token counts, plans plain EP, the plain least-loaded plan (``cost_aware=False``) and LLEP
+(cost-aware, the library default), and reports max/mean rank load, token and weight bytes moved,
+the layer time the cost model predicts, the force-balanced ideal, a peak-memory model and the
+planner's own time per call. It ends with a count of the points where the cost-aware plan is
+predicted slower than either plain plan (there should be none). ``--bursts`` adds burst
+scenarios: every rank of the first node sends ``f`` of its tokens to ``h`` experts of one rank.
 
-    python benchmarks/plan_model.py [--ep 8 16 32 64] [--out results/plan_model.json]
+    python benchmarks/plan_model.py [--ep 8 16 32 64] [--bursts] [--out results/plan_model.json]
 
 Time model (documented in docs/benchmarks.md): a layer is dispatch all-to-all, expert GEMMs, combine
 all-to-all. A rank's link time is latency + max(bytes out, bytes in) / bandwidth, intra-node and
@@ -18,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from common import FULL_SHAPES, PAPER_SPEEDUP, SCENARIOS, LayerShape, Scenario, print_table, sample_counts, write_results
+from common import FULL_SHAPES, PAPER_SPEEDUP, SCENARIOS, LayerShape, print_table, sample_counts, write_results
 
 from megatron_llep.config import LLEPConfig
 from megatron_llep.cost_model import CostModel, ExpertShape
@@ -83,6 +87,40 @@ def balanced_counts(shape: LayerShape, ep: int) -> np.ndarray:
     return np.full((ep, shape.num_experts), per, np.int64)
 
 
+@dataclass(frozen=True)
+class Burst:
+    """Every rank of the first node (``RANKS_PER_NODE`` ranks) sends ``fraction`` of its tokens to
+    ``num_hot`` experts (uniformly) of one rank: the first rank (inside the bursting node) or the
+    last one (across nodes when P > 8); everything else is uniform over the other experts."""
+
+    fraction: float
+    num_hot: int
+    hot_rank: str  # "first" or "last"
+
+    @property
+    def label(self) -> str:
+        return f"burst {self.fraction:g}:{self.num_hot}@{self.hot_rank}"
+
+
+BURSTS = tuple(Burst(f, h, where) for where in ("first", "last") for h in (1, 2, 4) for f in (0.8, 1.0))
+
+
+def burst_counts(shape: LayerShape, ep: int, burst: Burst, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n, k, local = shape.num_experts, shape.topk, shape.num_experts // ep
+    first = 0 if burst.hot_rank == "first" else (ep - 1) * local
+    hot = np.arange(first, first + min(burst.num_hot, local))
+    cold = np.setdiff1d(np.arange(n), hot)
+    counts = np.zeros((ep, n), np.int64)
+    for rank in range(ep):
+        tokens = shape.tokens_per_gpu
+        hot_tokens = rng.binomial(tokens, burst.fraction) if rank < RANKS_PER_NODE else 0
+        on_hot = hot_tokens * min(hot.size, k)
+        counts[rank, hot] = rng.multinomial(on_hot, np.full(hot.size, 1.0 / hot.size))
+        counts[rank, cold] = rng.multinomial(tokens * k - on_hot, np.full(cold.size, 1.0 / cold.size))
+    return counts
+
+
 def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeats: int) -> float:
     plan_llep(counts, config, es)
     times = []
@@ -93,7 +131,7 @@ def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeat
     return float(np.median(times))
 
 
-def run(eps: list[int], scenarios: tuple[Scenario, ...], seed: int, repeats: int, config: LLEPConfig, model: CostModel) -> list[dict]:
+def run(eps: list[int], scenarios: tuple, seed: int, repeats: int, config: LLEPConfig, model: CostModel) -> list[dict]:
     rows = []
     for shape in FULL_SHAPES:
         es = expert_shape(shape)
@@ -103,16 +141,25 @@ def run(eps: list[int], scenarios: tuple[Scenario, ...], seed: int, repeats: int
             ep_config = LLEPConfig(alpha=config.alpha, min_chunk_tokens=config.min_chunk_tokens,
                                    imbalance_threshold=config.imbalance_threshold,
                                    ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
+            unaware_config = replace(ep_config, cost_aware=False)
             ideal = predict(plan_llep(balanced_counts(shape, ep), ep_config, es), shape, model)
             for scenario in scenarios:
-                counts = sample_counts(shape, ep, scenario, seed)
+                if isinstance(scenario, Burst):
+                    counts = burst_counts(shape, ep, scenario, seed)
+                else:
+                    counts = sample_counts(shape, ep, scenario, seed)
                 plain = plan_llep(counts, LLEPConfig(imbalance_threshold=1e9, cost_aware=False))
+                unaware = plan_llep(counts, unaware_config)
                 llep = plan_llep(counts, ep_config, es)
                 p_ep, p_llep = predict(plain, shape, model), predict(llep, shape, model)
+                p_unaware = predict(unaware, shape, model)
                 rows.append({
                     "model": shape.name, "ep": ep, "scenario": scenario.label,
                     "ep_max_mean": p_ep["max_mean"], "llep_max_mean": p_llep["max_mean"],
+                    "unaware_max_mean": p_unaware["max_mean"],
                     "ep_ms": p_ep["layer_s"] * 1e3, "llep_ms": p_llep["layer_s"] * 1e3, "ideal_ms": ideal["layer_s"] * 1e3,
+                    "unaware_ms": p_unaware["layer_s"] * 1e3, "aware_vs_unaware": p_llep["layer_s"] / p_unaware["layer_s"],
+                    "capacity_x": llep.capacity * ep / max(int(counts.sum()), 1) / config.alpha,
                     "speedup": p_ep["layer_s"] / p_llep["layer_s"], "llep_vs_ideal": p_llep["layer_s"] / ideal["layer_s"],
                     "ep_token_gb": p_ep["token_bytes"] / 1e9, "llep_token_gb": p_llep["token_bytes"] / 1e9,
                     "weight_gb": p_llep["weight_bytes"] / 1e9, "weight_copies": llep.num_weight_transfers,
@@ -133,20 +180,33 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--min-chunk-tokens", type=int, default=1024)
     parser.add_argument("--imbalance-threshold", type=float, default=1.3)
+    parser.add_argument("--bursts", action="store_true", help="add the burst scenarios (BURSTS)")
     parser.add_argument("--out", default="results/plan_model.json")
     args = parser.parse_args()
     config = LLEPConfig(alpha=args.alpha, min_chunk_tokens=args.min_chunk_tokens, imbalance_threshold=args.imbalance_threshold)
     model = CostModel()
-    rows = run(args.ep, SCENARIOS, args.seed, args.planner_repeats, config, model)
+    rows = run(args.ep, SCENARIOS + (BURSTS if args.bursts else ()), args.seed, args.planner_repeats, config, model)
     print_table(rows, [
         ("model", "model", ""), ("ep", "P", "d"), ("scenario", "scenario", ""), ("mode", "plan", ""),
         ("ep_max_mean", "EP max/mean", ".2f"), ("llep_max_mean", "LLEP max/mean", ".2f"),
-        ("ep_ms", "EP ms", ".2f"), ("llep_ms", "LLEP ms", ".2f"), ("ideal_ms", "ideal ms", ".2f"),
+        ("ep_ms", "EP ms", ".2f"), ("unaware_ms", "plain LLA ms", ".2f"), ("llep_ms", "LLEP ms", ".2f"),
+        ("ideal_ms", "ideal ms", ".2f"), ("capacity_x", "cap x", ".2f"),
         ("speedup", "speedup", ".2f"), ("llep_vs_ideal", "LLEP/ideal", ".3f"),
         ("ep_token_gb", "EP tok GB", ".2f"), ("llep_token_gb", "LLEP tok GB", ".2f"), ("weight_gb", "weights GB", ".2f"),
         ("ep_mem_vs_ideal", "EP mem", ".2f"), ("llep_mem_vs_ideal", "LLEP mem", ".2f"), ("plan_ms", "plan ms", ".3f"),
     ])
+    print()
+    print(summary(rows))
     write_results(args.out, "plan_model", rows, {**vars(args), "cost_model": model, "ranks_per_node": RANKS_PER_NODE})
+
+
+def summary(rows: list[dict]) -> str:
+    """Where the cost-aware plan is predicted slower than the plain least-loaded plan or plain EP."""
+    slower = [r for r in rows if r["llep_ms"] > r["unaware_ms"] * (1 + 1e-9) or r["llep_ms"] > r["ep_ms"] * (1 + 1e-9)]
+    ratios = [r["aware_vs_unaware"] for r in rows]
+    return (f"cost-aware LLEP predicted slower than the plain least-loaded plan or plain EP at {len(slower)} of "
+            f"{len(rows)} points; cost-aware / plain least-loaded layer time: worst {max(ratios):.3f}, "
+            f"best {min(ratios):.3f}, {sum(x < 1 - 1e-9 for x in ratios)} points faster")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ class LLEPConfig:
             below it.
         ranks_per_node: EP ranks that share a node (helpers are preferred inside the native rank's
             node). ``None`` means all EP ranks share one node.
-        cost_aware: spill only when the :class:`CostModel` predicts that moving tokens and weights
-            is cheaper than computing on the native rank.
+        cost_aware: pick, among plain EP, the plain least-loaded plan and least-loaded plans at
+            1.1x/1.3x capacity, the one with the lowest layer time the :class:`CostModel` predicts
+            (never predicted slower than either plain plan).
         cost_model: the timing model behind ``cost_aware``; defaults to one H200 node.
         enabled: ``False`` makes the LLEP layer behave exactly like plain EP (for A/B runs).
         record_stats: keep per-layer step statistics for logging.

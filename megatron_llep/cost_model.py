@@ -1,7 +1,8 @@
-"""Predicts whether spilling an expert's tokens to a helper rank pays off.
+"""The timing model behind cost-aware LLEP planning.
 
-LLEP moves tokens *and* a copy of the expert's weights to a helper. That is only worth it when the
-native rank saves more compute time than the transfer costs. The model is deliberately simple and
+LLEP moves tokens *and* a copy of the expert's weights to a helper. Whether a plan is worth it is
+decided on the whole layer (``megatron_llep.planner.LayerTimeModel``: dispatch, slowest rank's
+GEMMs, combine), from two primitives this module provides. They are deliberately simple and
 calibratable: a roofline GEMM time with a small-GEMM efficiency ramp, and a latency + bandwidth
 link time, separately for links inside a node and across nodes.
 
@@ -68,7 +69,7 @@ class ExpertShape:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Roofline-style timing model for the spill decision.
+    """Roofline-style timing model for cost-aware planning.
 
     ``gemm_tflops`` is the sustained dense rate of a large expert GEMM; a GEMM over ``t`` tokens runs
     at ``t / (t + gemm_half_efficiency_tokens)`` of it (small GEMMs are latency-bound), plus a
@@ -93,7 +94,7 @@ class CostModel:
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
 
-    def _gemm_coefficients(self, shape: ExpertShape) -> tuple[float, float]:
+    def gemm_coefficients(self, shape: ExpertShape) -> tuple[float, float]:
         """``gemm_time(t) = a + b * t`` for ``t > 0``: ``flops(t) / (peak * t / (t + half))`` is
         linear in ``t``."""
         per_token = shape.forward_flops(1) * (3.0 if self.training else 1.0) / (self.gemm_tflops * 1e12)
@@ -103,7 +104,7 @@ class CostModel:
         """Predicted time of one expert's forward (and backward when ``training``) on ``tokens``."""
         if tokens <= 0:
             return 0.0
-        a, b = self._gemm_coefficients(shape)
+        a, b = self.gemm_coefficients(shape)
         return a + b * tokens
 
     def link_time(self, num_bytes: float, inter_node: bool) -> float:
@@ -121,32 +122,18 @@ class CostModel:
         return 2 * moved_tokens * shape.token_bytes * direction + weights
 
     def spill_time(self, moved_tokens: int, shape: ExpertShape, inter_node: bool, needs_weights: bool) -> float:
-        """Communication added by a spill."""
+        """Link time of one spill on its own (tokens there and back, weights if the helper lacks
+        them); the planner prices whole plans instead, with every rank's links in parallel."""
         return self.link_time(self._spill_bytes(moved_tokens, shape, needs_weights), inter_node)
 
-    def spill_pays(
-        self, tokens: int, moved_tokens: int, shape: ExpertShape, inter_node: bool, needs_weights: bool
-    ) -> bool:
-        """True when the native rank saves more GEMM time than the spill costs in communication."""
-        return self.spill_time(moved_tokens, shape, inter_node, needs_weights) < self.gemm_time(tokens, shape)
-
-    def spill_oracle(self, shape: ExpertShape):
-        """``spill_pays`` for one expert shape with its constants folded in: the planner asks it
-        once per candidate chunk, so it must cost well under a microsecond."""
-        gemm_a, gemm_b = self._gemm_coefficients(shape)
-        per_token = self._spill_bytes(1, shape, False)
-        weights = self._spill_bytes(0, shape, True)
-        inv_bw = (1.0 / (self.intra_node_gbps * 1e9), 1.0 / (self.inter_node_gbps * 1e9))
-        latency = self.link_latency_s
-
-        def pays(tokens: int, moved_tokens: int, inter_node: bool, needs_weights: bool) -> bool:
-            if tokens <= 0:
-                return False
-            num_bytes = moved_tokens * per_token + (weights if needs_weights else 0.0)
-            comm = latency + num_bytes * inv_bw[inter_node] if num_bytes > 0 else 0.0
-            return comm < gemm_a + gemm_b * tokens
-
-        return pays
+    @classmethod
+    def cpu(cls) -> "CostModel":
+        """A CPU host running one EP rank per core over gloo: fp32 expert GEMMs at ~0.1 TFLOP/s
+        (full speed from ~16 tokens, ~10 us per call) and ~4 GB/s, ~30 us send/recv between
+        processes (measured on a 2-core AMD EPYC VM, 2026-12-03). Use :meth:`calibrate` for
+        numbers of a given machine."""
+        return cls(gemm_tflops=0.1, gemm_half_efficiency_tokens=16.0, gemm_launch_s=10e-6,
+                   intra_node_gbps=4.0, inter_node_gbps=1.0, link_latency_s=30e-6)
 
     @classmethod
     def calibrate(

@@ -16,11 +16,18 @@ The algorithm (SPEC section 1, step 3):
   * a remainder smaller than ``m`` is not worth a GEMM and stays native, as long as that keeps the
     native rank within ``cap + m``;
   * when no rank has room the remainder goes to the least-loaded rank anyway, up to ``cap + m``
-    while possible (never drop a token): with ``alpha >= 1`` no rank ends above ``ceil(cap) + m``;
-  * with a cost model, a spill happens only if the predicted transfer time (the weight copy plus
-    any token that would not have crossed ranks under plain EP) is below the GEMM time it saves
-    the native rank.
+    while possible (never drop a token): with ``alpha >= 1`` no rank ends above ``ceil(cap) + m``.
 Spilled tokens of an expert are first taken from the helper's own routed tokens (no traffic).
+
+Cost-aware planning (``config.cost_aware``) picks, among whole candidate plans, the one whose
+predicted layer time is lowest (:class:`LayerTimeModel`: dispatch all-to-all with the weight
+copies, then the slowest rank's expert GEMMs, then the combine all-to-all; every rank's links run
+in parallel, intra- and inter-node links separately). The candidates are plain EP, the plain
+least-loaded plan at ``alpha`` (exactly what ``cost_aware=False`` returns) and least-loaded plans at
+raised capacities (fewer, fuller helpers: fewer weight copies, more GEMM time on the slowest rank),
+so a cost-aware plan is never predicted slower than either plain plan. Ties keep the plain
+least-loaded plan, then plain EP. No decision is taken chunk by chunk: a spill that does not pay
+for itself in isolation can still shorten the slowest rank, and vice versa.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import ExpertShape
+from megatron_llep.cost_model import CostModel, ExpertShape
 
 
 @dataclass
@@ -189,6 +196,136 @@ class LLEPPlan:
         )
 
 
+class LayerTimeModel:
+    """The layer time a :class:`CostModel` predicts for a plan: the quantity cost-aware planning
+    minimises.
+
+    ``dispatch + compute + combine``, each phase taking its slowest rank:
+
+    * compute: a rank runs one GEMM per expert it computes (native or borrowed) with tokens,
+      ``CostModel.gemm_time(tokens)`` each, one after another;
+    * dispatch: a rank's link time is ``CostModel.link_time(max(bytes out, bytes in))`` of the
+      tokens and weight copies it sends and receives; links inside a node and across nodes are
+      separate and run in parallel, as do all ranks' links, so the phase takes the slowest link;
+    * combine: the same with the tokens only, in reverse.
+
+    With ``cost_model.training`` bytes count twice (activations and their gradients, weights and
+    their gradients) and GEMMs three times (forward and backward). ``ranks_per_node=None`` puts all
+    EP ranks in one node. Built once per count matrix; pricing a plan is a few vector operations.
+    """
+
+    def __init__(
+        self,
+        counts: np.ndarray,
+        num_local_experts: int,
+        shape: ExpertShape,
+        cost_model: CostModel,
+        ranks_per_node: Optional[int] = None,
+    ) -> None:
+        counts = np.asarray(counts, np.int64)
+        ep, num_experts = counts.shape
+        local = num_local_experts
+        per_node = min(ranks_per_node or ep, ep)
+        if ep % per_node or counts.shape[1] != ep * num_local_experts:
+            raise ValueError(f"LayerTimeModel: {ep} ranks of {num_local_experts} experts cannot hold {counts.shape[1]} "
+                             f"experts, or do not split into nodes of {per_node}")
+        nodes = ep // per_node
+        ranks = np.arange(ep)
+        self.ep = ep
+        self.cost_model = cost_model
+        self.native = np.arange(num_experts) // local
+        self.node = ranks // per_node
+        self.gemm_a, self.gemm_b = cost_model.gemm_coefficients(shape)
+        loads = counts.sum(axis=0)
+        self.expert_gemm = (loads > 0) * (self.gemm_a + self.gemm_b * loads)
+        self.ep_compute = self.expert_gemm.reshape(ep, local).sum(axis=1)
+        scale = 2.0 if cost_model.training else 1.0
+        self.token_bytes = shape.token_bytes * scale
+        self.weight_bytes = shape.weight_bytes * scale
+        # Plain EP's token traffic: [link class (0 inside a node, 1 across), rank], in tokens.
+        to_rank = np.einsum("srk->sr", counts.reshape(ep, ep, local))  # [source, native rank]
+        own = to_rank[ranks, ranks]
+        to_node = to_rank.reshape(ep, nodes, per_node).sum(axis=2)[ranks, self.node]
+        from_node = to_rank.reshape(nodes, per_node, ep).sum(axis=1)[self.node, ranks]
+        self._ep_out = np.stack([to_node - own, to_rank.sum(axis=1) - to_node]).astype(np.float64)
+        self._ep_in = np.stack([from_node - own, to_rank.sum(axis=0) - from_node]).astype(np.float64)
+        self._counts = counts
+
+    def phases(self, plan: "LLEPPlan") -> dict[str, float]:
+        """``{"dispatch_s", "compute_s", "combine_s", "layer_s"}`` of ``plan``."""
+        if plan.is_plain_ep:
+            dispatch, compute, combine = self._plain_ep_phases()
+        else:
+            key = plan.chunk_expert * self.ep + plan.chunk_dst
+            cells, index = np.unique(key, return_inverse=True)
+            experts = cells // self.ep
+            rows = np.array([np.searchsorted(plan.spilled_experts, experts), experts, cells % self.ep,
+                             np.bincount(index.ravel(), plan.chunk_count).astype(np.int64)])
+            chunks = np.array([plan.chunk_expert, plan.chunk_src, plan.chunk_dst, plan.chunk_count,
+                               np.searchsorted(plan.spilled_experts, plan.chunk_expert)])
+            one = np.zeros(plan.spilled_experts.size, np.int64)
+            dispatch, compute, combine = self._candidate_phases(rows, chunks, one, 1)[0]
+        return {"dispatch_s": dispatch, "compute_s": compute, "combine_s": combine,
+                "layer_s": dispatch + compute + combine}
+
+    def time(self, plan: "LLEPPlan") -> float:
+        """Predicted layer time of ``plan`` in seconds."""
+        return self.phases(plan)["layer_s"]
+
+    def _plain_ep_phases(self) -> tuple[float, float, float]:
+        link_time = self.cost_model.link_time
+        tokens = np.maximum(self._ep_out.max(axis=1), self._ep_in.max(axis=1)) * self.token_bytes
+        combine = max(link_time(tokens[0], False), link_time(tokens[1], True))
+        return combine, float(self.ep_compute.max()), combine  # dispatch moves the same tokens
+
+    def _candidate_phases(
+        self, rows: np.ndarray, chunks: np.ndarray, slot_candidate: np.ndarray, num_candidates: int
+    ) -> list[tuple[float, float, float]]:
+        """(dispatch, compute, combine) of several spill plans at once.
+
+        ``rows``: :func:`_split_rows` rows of all candidates, slots numbered across them;
+        ``chunks``: :func:`_transport` of those rows; ``slot_candidate[slot]``: the slot's candidate.
+        Per-rank quantities are laid out ``[candidate, link class, rank]`` and flattened.
+        """
+        ep, native, node, k = self.ep, self.native, self.node, num_candidates
+        slot, split_expert, split_dst, split_tokens = rows
+        spilled = split_expert[np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1])))]
+        owner = native[spilled]
+        slot_base = slot_candidate * ep
+        row_base = slot_base[slot]
+        # Compute: each spilled expert's GEMM leaves its native rank; its parts' GEMMs are added.
+        compute = np.tile(self.ep_compute, k) - np.bincount(slot_base + owner, self.expert_gemm[spilled], k * ep)
+        compute += np.bincount(row_base + split_dst, self.gemm_a + self.gemm_b * split_tokens, k * ep)
+        # Tokens: take the spilled experts' plain-EP traffic out, put the plan's chunks in.
+        moved = self._counts[:, spilled]
+        moved[owner, np.arange(spilled.size)] = 0
+        index = 2 * slot_base + (node[:, None] != node[owner][None, :]) * ep
+        moved = moved.ravel()
+        size = 2 * k * ep
+        out = np.tile(self._ep_out.ravel(), k) - np.bincount((index + np.arange(ep)[:, None]).ravel(), moved, size)
+        into = np.tile(self._ep_in.ravel(), k) - np.bincount((index + owner).ravel(), moved, size)
+        src, dst, count = chunks[1], chunks[2], chunks[3] * (chunks[1] != chunks[2])
+        index = 2 * slot_base[chunks[4]] + (node[src] != node[dst]) * ep
+        out += np.bincount(index + src, count, size)
+        into += np.bincount(index + dst, count, size)
+        out, into = out.reshape(k, 2, ep) * self.token_bytes, into.reshape(k, 2, ep) * self.token_bytes
+        tokens = np.maximum(out.max(axis=2), into.max(axis=2))
+        # Weights: one copy native -> helper per (expert, helper), sent in the dispatch phase.
+        copy = split_dst != native[split_expert]
+        weight_src, weight_dst = native[split_expert[copy]], split_dst[copy]
+        index = 2 * row_base[copy] + (node[weight_src] != node[weight_dst]) * ep
+        out += np.bincount(index + weight_src, minlength=size).reshape(k, 2, ep) * self.weight_bytes
+        into += np.bincount(index + weight_dst, minlength=size).reshape(k, 2, ep) * self.weight_bytes
+        peak = np.maximum(out.max(axis=2), into.max(axis=2))
+        compute = compute.reshape(k, ep).max(axis=1)
+        link_time = self.cost_model.link_time
+        return [
+            (max(link_time(peak[c, 0], False), link_time(peak[c, 1], True)), float(compute[c]),
+             max(link_time(tokens[c, 0], False), link_time(tokens[c, 1], True)))
+            for c in range(k)
+        ]
+
+
 def chunk_gather_index(sizes: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Row index that concatenates chunks (given by ``sizes`` in storage order) in ``order``.
 
@@ -217,7 +354,8 @@ def plan_llep(
 ) -> LLEPPlan:
     """Compute the LLEP plan for one MoE layer step from the global ``[P, N]`` count matrix.
 
-    ``expert_shape`` is needed only when ``config.cost_aware`` (it sizes GEMMs and transfers).
+    ``expert_shape`` is needed only when ``config.cost_aware`` (it sizes GEMMs and transfers). A
+    cost-aware plan reports the capacity it was made at: the configured one or a raised rung.
     """
     counts = np.asarray(counts)
     if counts.ndim != 2:
@@ -239,10 +377,108 @@ def plan_llep(
     if total == 0 or ep == 1 or before.max() * ep < config.imbalance_threshold * total:
         return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
 
-    splits = _least_loaded_assignment(counts, loads, before, capacity, config, expert_shape)
+    splits = _least_loaded_assignment(counts, loads, before, capacity, config)
     if not splits:
         return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
-    return _build_plan(counts, loads, local, capacity, before, splits)
+    if config.cost_aware:
+        return _cheapest_plan(counts, loads, local, before, capacity, splits, config, expert_shape)
+    rows, _ = _split_rows([splits])
+    return _build_plan(counts, loads, local, capacity, before, rows, _transport(counts, rows))
+
+
+# Raised capacities the cost-aware search tries, as multiples of the configured one. They are tried
+# only when the plain plan's busiest native rank spends more than _SEARCH_GATE of the slowest rank's
+# GEMM time sending weight copies: filling the ranks 10 % further costs the slowest rank about 10 %
+# more GEMM time, and below that fewer copies do not buy it back. The rungs stop before the
+# candidates could hold more than _SEARCH_SLOTS spilled experts in all (a rung spills at most about
+# as many as the one before), which bounds the planner's time (under 1 ms at N = 384, P = 64).
+_CAPACITY_RUNGS = (1.1, 1.3)
+_SEARCH_GATE = 0.2
+_SEARCH_SLOTS = 40
+
+
+def _cheapest_plan(
+    counts: np.ndarray,
+    loads: np.ndarray,
+    local: int,
+    before: np.ndarray,
+    capacity: float,
+    splits: dict[int, list[tuple[int, int]]],
+    config: LLEPConfig,
+    shape: ExpertShape,
+) -> LLEPPlan:
+    """The candidate plan with the lowest predicted layer time (:class:`LayerTimeModel`).
+
+    Candidates, in order of preference on ties: the plain least-loaded plan at ``capacity`` (what
+    ``cost_aware=False`` returns), plain EP, then least-loaded plans at capacities raised by
+    :data:`_CAPACITY_RUNGS`. A raised capacity lets ranks fill further past the mean before
+    spilling, so a hot expert needs fewer helpers: fewer weight copies (its native rank sends one
+    per helper over its own links) and, at the cost of a slower slowest rank, less token traffic.
+    All candidates are priced by the same model in one vectorised pass, so the result is never
+    predicted slower than plain EP or the plain least-loaded plan.
+    """
+    capacities, candidates = [capacity], [splits]
+    if _weight_copies_weigh(splits, before, loads, local, config, shape):
+        ceiling = float(before.max())  # from this capacity on no rank is overloaded: plain EP
+        slots, last = len(splits), len(splits)
+        for factor in _CAPACITY_RUNGS:
+            raised = capacity * factor
+            if raised >= ceiling or slots + last > _SEARCH_SLOTS:
+                break
+            more = _least_loaded_assignment(counts, loads, before, raised, config)
+            if not more:
+                break  # a higher capacity spills no more than this one
+            capacities.append(raised)
+            candidates.append(more)
+            slots, last = slots + len(more), len(more)
+    rows, slot_candidate = _split_rows(candidates)
+    chunks = _transport(counts, rows)
+    timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
+    times = [sum(phases) for phases in timer._candidate_phases(rows, chunks, slot_candidate, len(candidates))]
+    best, best_time = 0, times[0]
+    ep_time = sum(timer._plain_ep_phases())
+    if ep_time < best_time:
+        best, best_time = None, ep_time
+    for k in range(1, len(candidates)):
+        if times[k] < best_time:
+            best, best_time = k, times[k]
+    if best is None:
+        return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
+    if len(candidates) > 1:
+        mine = slot_candidate == best
+        first = int(np.argmax(mine))
+        rows, chunks = rows[:, mine[rows[0]]], chunks[:, mine[chunks[4]]]
+        rows[0] -= first
+        chunks[4] -= first
+    return _build_plan(counts, loads, local, capacities[best], before, rows, chunks)
+
+
+def _weight_copies_weigh(
+    splits: dict[int, list[tuple[int, int]]],
+    before: np.ndarray,
+    loads: np.ndarray,
+    local: int,
+    config: LLEPConfig,
+    shape: ExpertShape,
+) -> bool:
+    """Whether the busiest native rank's weight copies (per link class) take more than
+    :data:`_SEARCH_GATE` of the GEMM time of the plan's most loaded rank."""
+    ep = before.size
+    per_node = config.ranks_per_node or ep
+    model = config.cost_model
+    copies = {}
+    after = before.tolist()
+    for e, parts in splits.items():
+        native = e // local
+        after[native] -= int(loads[e])
+        for dst, tokens in parts:
+            after[dst] += tokens
+            if dst != native:
+                key = (native, native // per_node != dst // per_node)
+                copies[key] = copies.get(key, 0) + 1
+    weight_bytes = shape.weight_bytes * (2 if model.training else 1)
+    sending = max(model.link_time(count * weight_bytes, inter) for (_, inter), count in copies.items()) if copies else 0.0
+    return sending > _SEARCH_GATE * model.gemm_coefficients(shape)[1] * max(after)
 
 
 def _least_loaded_assignment(
@@ -251,7 +487,6 @@ def _least_loaded_assignment(
     rank_loads_before: np.ndarray,
     capacity: float,
     config: LLEPConfig,
-    shape: Optional[ExpertShape],
 ) -> dict[int, list[tuple[int, int]]]:
     """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank.
 
@@ -261,12 +496,14 @@ def _least_loaded_assignment(
     local = num_experts // ep
     m = config.min_chunk_tokens
     ranks_per_node = config.ranks_per_node or ep  # None: all ranks share one node
-    spill_pays = config.cost_model.spill_oracle(shape) if config.cost_aware else None
     expert_loads = loads.tolist()
     # effective[g]: tokens assigned to g so far plus its native experts' load not yet visited
     effective = rank_loads_before.tolist()
     slack_limit = capacity + m
     splits: dict[int, list[tuple[int, int]]] = {}
+    floor = math.floor
+    one_node = ranks_per_node >= ep
+    node_of = [g // ranks_per_node for g in range(ep)]
 
     def visit_keys(g: int) -> list[int]:
         """Keys of rank g's loaded experts; ascending keys are descending loads, ties by id."""
@@ -296,43 +533,36 @@ def _least_loaded_assignment(
 
         parts: dict[int, int] = {}
         remaining = load
-        third_party = load - int(counts[n, e])
         if keep:
             parts[n] = keep
             effective[n] += keep
             remaining -= keep
         # Helpers in ascending effective load, native node first. A helper's load only grows when
         # this expert fills it, so the order holds for the whole expert and one pass suffices.
-        by_load = sorted(open_ranks, key=effective.__getitem__)
-        home = n // ranks_per_node
-        candidates = [g for g in by_load if g // ranks_per_node == home]
-        candidates += [g for g in by_load if g // ranks_per_node != home]
-        column = counts[:, e].tolist()
+        candidates = sorted(open_ranks, key=effective.__getitem__)
+        if not one_node:
+            home = node_of[n]
+            candidates = [g for g in candidates if node_of[g] == home] + [
+                g for g in candidates if node_of[g] != home
+            ]
+        num = len(candidates)
         cursor = 0
         while remaining > 0:
-            need = min(remaining, m) if m > 0 else 1
+            need = (remaining if remaining < m else m) if m > 0 else 1
             if need < m:
                 cursor = 0  # a smaller final piece may fit ranks skipped for lack of room
-            while cursor < len(candidates) and capacity - effective[candidates[cursor]] < need:
+            while cursor < num and capacity - effective[candidates[cursor]] < need:
                 cursor += 1
-            if cursor < len(candidates):
+            if cursor < num:
                 helper = candidates[cursor]
-                take = min(remaining, math.floor(capacity - effective[helper]))
+                room = floor(capacity - effective[helper])
+                take = remaining if remaining < room else room
             else:
                 # Nobody has room for a worthwhile chunk: the least-loaded rank takes up to cap + m
                 # (at least one token, so integer rounding cannot stall); past that, everything.
                 helper = min(range(ep), key=effective.__getitem__)
                 slack = slack_limit - effective[helper]
                 take = min(remaining, max(math.ceil(slack), 1)) if slack > 0 else remaining
-            if helper != n and spill_pays is not None:
-                # Tokens from third ranks travel under plain EP too; only the native rank's own
-                # tokens (used once the helper's own and third-party ones run out) are new traffic.
-                own = min(column[helper], take)
-                from_third = min(third_party, take - own)
-                if not spill_pays(take, take - own - from_third, helper // ranks_per_node != home, helper not in parts):
-                    helper, take = n, remaining
-                else:
-                    third_party -= from_third
             parts[helper] = parts.get(helper, 0) + take
             effective[helper] += take
             if capacity - effective[helper] < 1:
@@ -352,27 +582,36 @@ def _least_loaded_assignment(
     return splits
 
 
+def _split_rows(candidates: list[dict[int, list[tuple[int, int]]]]) -> tuple[np.ndarray, np.ndarray]:
+    """``[4, rows]`` (slot, expert, destination, tokens) of one or more plans' splits, and each
+    slot's plan. A slot is one spilled expert of one plan; slots count up across the plans, and
+    within a plan follow ascending expert ids, destinations ascending within a slot."""
+    rows, owners = [], []
+    for k, splits in enumerate(candidates):
+        for e in sorted(splits):
+            slot = len(owners)
+            rows.extend((slot, e, d, t) for d, t in splits[e])
+            owners.append(k)
+    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4).T
+    return rows, np.array(owners, np.int64)
+
+
 def _build_plan(
     counts: np.ndarray,
     loads: np.ndarray,
     local: int,
     capacity: float,
     before: np.ndarray,
-    splits: dict[int, list[tuple[int, int]]],
+    rows: np.ndarray,
+    chunks: np.ndarray,
 ) -> LLEPPlan:
-    experts = sorted(splits)
-    spilled = np.array(experts, np.int64)
-    # One row per (spilled expert, destination): the expert's index in ``spilled``, the expert,
-    # the destination and the tokens it computes; destinations ascending within an expert.
-    rows = [(i, e, d, t) for i, e in enumerate(experts) for d, t in splits[e]]
-    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4).T
     split_expert, split_dst, split_tokens = rows[1], rows[2], rows[3]
+    spilled = split_expert[np.flatnonzero(np.concatenate(([True], rows[0][1:] != rows[0][:-1])))]
     native = split_expert // local
     after = before.copy()
     np.subtract.at(after, spilled // local, loads[spilled])
     np.add.at(after, split_dst, split_tokens)
     helpers = split_dst != native
-    chunks = _transport(counts, spilled, rows)
     return LLEPPlan(
         counts=counts,
         num_local_experts=local,
@@ -391,24 +630,24 @@ def _build_plan(
     )
 
 
-def _transport(counts: np.ndarray, experts: np.ndarray, splits: np.ndarray) -> np.ndarray:
+def _transport(counts: np.ndarray, splits: np.ndarray) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
-    ``splits`` is ``[4, rows]`` (index into ``experts``, expert, destination, tokens), expert by
-    expert with destinations ascending: how many tokens each destination computes. Returns
-    ``[4, chunks]`` rows (expert, src, dst, count). Each destination first takes its own routed
-    tokens; the rest of every expert's supply is matched to the rest of its demand in rank order
-    (north-west corner) — all experts at once, since the running sums of supply and demand meet at
-    every expert boundary. Ranks are numbered node by node, so this keeps traffic inside nodes
-    where it can.
+    ``splits`` is ``[4, rows]`` from :func:`_split_rows` (slot, expert, destination, tokens): how
+    many tokens each destination computes. Returns ``[5, chunks]`` rows (expert, src, dst, count,
+    slot). Each destination first takes its own routed tokens; the rest of every slot's supply is
+    matched to the rest of its demand in rank order (north-west corner) — all slots at once, since
+    the running sums of supply and demand meet at every slot boundary. Ranks are numbered node by
+    node, so this keeps traffic inside nodes where it can.
     """
     slot, split_expert, split_dst, split_tokens = splits
+    experts = split_expert[np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1])))]
     ep = counts.shape[0]
-    supply = counts.T[experts]  # [spilled experts, src], a copy
+    supply = counts.T[experts]  # [slots, src], a copy
     own = np.minimum(supply[slot, split_dst], split_tokens)
     supply[slot, split_dst] -= own
     need = split_tokens - own
-    stays = np.array([split_expert, split_dst, split_dst, own])[:, own > 0]
+    stays = np.array([split_expert, split_dst, split_dst, own, slot])[:, own > 0]
     supply = supply.ravel()
     sources = np.flatnonzero(supply)  # slot * ep + src
     if not sources.size:
@@ -422,5 +661,5 @@ def _transport(counts: np.ndarray, experts: np.ndarray, splits: np.ndarray) -> n
     starts = np.concatenate([[0], ends[:-1]])
     source = sources[np.searchsorted(supply_end, starts, side="right")]
     destination = split_dst[open_rows][np.searchsorted(demand_end, starts, side="right")]
-    moves = np.array([experts[source // ep], source % ep, destination, ends - starts])
+    moves = np.array([experts[source // ep], source % ep, destination, ends - starts, source // ep])
     return np.concatenate([stays, moves], axis=1)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_llep.config import LLEPConfig  # noqa: E402
+from megatron_llep.cost_model import CostModel  # noqa: E402
 from recipes import data as sft_data  # noqa: E402
 from recipes.models import RECIPES  # noqa: E402
 
@@ -46,6 +47,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     model = parser.add_argument_group("model")
     model.add_argument("--recipe", default="gpt-oss-tiny", choices=sorted(RECIPES))
     model.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    model.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                       help="start from a Hugging Face checkpoint (config.json + *.safetensors, MXFP4/FP8 experts "
+                            "dequantized): model sizes from its config.json, weights loaded right after the model is "
+                            "built; --recipe picks the family (gpt-oss-20b/120b, deepseek-v3: config.json must match; "
+                            "gpt-oss-tiny: any size). Ignored for the weights when resuming with --load")
 
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=sft_data.DEFAULT_DATA, help="SFT JSONL file (see recipes/data.py for the formats)")
@@ -93,7 +99,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     llep.add_argument("--llep-alpha", type=float, default=1.0)
     llep.add_argument("--llep-min-chunk-tokens", type=int, default=None, help="m (default 1024 on GPU, 16 on CPU)")
     llep.add_argument("--llep-imbalance-threshold", type=float, default=1.3, help="lambda")
-    llep.add_argument("--llep-cost-aware", action="store_true", help="veto spills the cost model predicts unprofitable")
+    llep.add_argument("--llep-cost-aware", action=argparse.BooleanOptionalAction, default=True, help="plan by predicted layer time")
     llep.add_argument("--ranks-per-node", type=int, default=None, help="prefer helpers inside a node of this size")
     cap = parser.add_argument_group("CAP expert placement (docs/placement.md)")
     cap.add_argument("--placement", default=None, help="placement file (python -m megatron_llep.placement plan ...)")
@@ -129,6 +135,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"{what}: {path} does not exist")
     if args.load is not None and not os.path.isdir(args.load):
         parser.error(f"--load: {args.load} is not a directory")
+    if args.hf_checkpoint is not None:
+        if not os.path.isdir(args.hf_checkpoint):
+            parser.error(f"--hf-checkpoint: {args.hf_checkpoint} is not a directory")
+        from recipes.hf.convert import ConversionError, family_key
+
+        try:
+            family_key(args.recipe)
+        except ConversionError as err:
+            parser.error(f"--hf-checkpoint with --recipe {args.recipe}: {err}")
     return args
 
 
@@ -161,6 +176,51 @@ class ConfigError(ValueError):
     """Parallel layout, batch or model settings that cannot work together."""
 
 
+def hf_config_for(args: argparse.Namespace) -> Optional[dict]:
+    """The Hugging Face config.json the model's sizes come from: ``--hf-checkpoint``'s, else the one
+    recorded in the ``--load`` checkpoint by a run that started from one (None: the recipe's sizes)."""
+    if args.hf_checkpoint:
+        from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError
+
+        try:
+            return HFCheckpoint(args.hf_checkpoint).config
+        except HFCheckpointError as err:
+            raise ConfigError(f"--hf-checkpoint: {err}") from None
+    if args.load:
+        return saved_hf_config(args.load)
+    return None
+
+
+def saved_hf_config(path: str) -> Optional[dict]:
+    """``run_info["hf_config"]`` of the checkpoint ``path`` resolves to (None if there is none)."""
+    from megatron.core import dist_checkpointing
+
+    from recipes import checkpointing
+
+    try:
+        directory = checkpointing.resolve_checkpoint(path)
+    except checkpointing.CheckpointError:
+        return None
+    return dist_checkpointing.load_common_state_dict(directory).get("run_info", {}).get("hf_config")
+
+
+def make_recipe(args: argparse.Namespace, hf_config: Optional[dict] = None, **kwargs):
+    """``--recipe`` at a layout (``ep_size``, ``tp_size``, ``pp_size``, ``dtype``, ``cpu``), its sizes
+    from ``hf_config`` when given (``recipe_from_hf_config`` of the recipe's family)."""
+    if hf_config is None:
+        return RECIPES[args.recipe](**kwargs)
+    from recipes.hf.convert import family_module
+
+    family = family_module(args.recipe)
+    fixed = getattr(family, "FIXED_SIZE_RECIPES", None)
+    name = args.recipe if fixed is None or args.recipe in fixed else None
+    try:
+        return family.recipe_from_hf_config(hf_config, name, **kwargs)
+    except ValueError as err:  # ConversionError: one line naming the config.json field
+        source = args.hf_checkpoint or f"the config.json recorded in {args.load}"
+        raise ConfigError(f"--hf-checkpoint {source}: {err}") from None
+
+
 def parallel_layout(args: argparse.Namespace, world: int, num_experts: int) -> dict[str, int]:
     """TP/PP/EP/DP sizes and micro-batches per step, validated against the world and the model."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -186,6 +246,8 @@ def llep_config(args: argparse.Namespace, on_gpu: bool) -> LLEPConfig:
         min_chunk_tokens=args.llep_min_chunk_tokens if args.llep_min_chunk_tokens is not None else (1024 if on_gpu else 16),
         imbalance_threshold=args.llep_imbalance_threshold,
         cost_aware=args.llep_cost_aware,
+        # the tiny CPU recipes are priced against this CPU, not an H200 node
+        cost_model=CostModel() if on_gpu else CostModel.cpu(),
         ranks_per_node=args.ranks_per_node,
     )
 
@@ -205,9 +267,12 @@ def _check_megatron_support(recipe, layout: dict[str, int]) -> None:
                           "SequentialMLP adds the fc2 bias in place on a view when EP = TP = 1)")
 
 
-def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device, vocab_needed: int, placement=None):
+def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device, vocab_needed: int, placement=None,
+          hf_config: Optional[dict] = None, import_hf: Optional[str] = None):
     """GPTModel (LLEP or plain EP; experts in ``placement``'s order if given) wrapped in Megatron
-    DDP, the distributed optimizer and the LR scheduler."""
+    DDP, the distributed optimizer and the LR scheduler. ``hf_config``: model sizes from a Hugging
+    Face config.json; ``import_hf``: load that checkpoint's weights right after the model is built
+    (before the placement, DDP and the optimizer)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -218,7 +283,8 @@ def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device
 
     on_gpu = device.type == "cuda"
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if on_gpu else "fp32")]
-    recipe = RECIPES[args.recipe](ep_size=layout["ep"], tp_size=layout["tp"], pp_size=layout["pp"], dtype=dtype, cpu=not on_gpu)
+    recipe = make_recipe(args, hf_config, ep_size=layout["ep"], tp_size=layout["tp"], pp_size=layout["pp"], dtype=dtype,
+                         cpu=not on_gpu)
     if vocab_needed > recipe.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_needed} ids but {recipe.name}'s vocabulary is {recipe.vocab_size}")
     if args.seq_length > recipe.max_sequence_length:
@@ -238,6 +304,8 @@ def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device
     )
     if on_gpu:
         model.cuda(device)
+    if import_hf:
+        _import_hf(import_hf, model, args.recipe)
     if placement is not None:  # before DDP and the optimizer: they keep per-parameter buffers and state
         from megatron_llep.placement import apply_placement
 
@@ -262,6 +330,31 @@ def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return recipe, model, optimizer, scheduler
+
+
+def run_info_for(args: argparse.Namespace, layout: dict[str, int], world: int, hf_config: Optional[dict] = None) -> dict:
+    """What a checkpoint records about the run (RESUME_MUST_MATCH entries must match on resume)."""
+    run_info = dict(recipe=args.recipe, seq_length=args.seq_length, world_size=world, llep=args.llep,
+                    tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
+                    expert_model_parallel_size=layout["ep"], data_parallel_size=layout["dp"],
+                    global_batch_size=layout["global_batch"], micro_batch_size=args.micro_batch_size)
+    if hf_config is not None:
+        run_info["hf_config"] = hf_config  # the model's sizes, for resuming and exporting (python -m recipes.hf)
+    return run_info
+
+
+def _import_hf(directory: str, model, recipe_name: str) -> None:
+    from recipes.hf.convert import ConversionError, import_hf_checkpoint
+
+    try:
+        report = import_hf_checkpoint([model], directory, recipe_name)
+    except ConversionError as err:
+        raise ConfigError(f"--hf-checkpoint {directory}: {err}") from None
+    if dist.get_rank() == 0:
+        mib = 2**20
+        print(f"[finetune] imported {directory} in {report.seconds:.1f} s: rank 0 read {report.bytes_read / mib:.1f} MiB "
+              f"for its {report.param_bytes / mib:.1f} MiB of parameters, peak host memory "
+              f"+{report.peak_overhead / mib:.1f} MiB during the import", flush=True)
 
 
 def _moe_layers(model) -> list:
@@ -369,10 +462,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = sft_data.load_tokenizer(args.tokenizer)
         samples = sft_data.read_sft_jsonl(args.data, tokenizer)
         dataset = sft_data.PackedSFTDataset(samples, args.seq_length, seed=args.seed)
-        num_experts = RECIPES[args.recipe](cpu=device.type == "cpu").config.num_moe_experts
+        hf_config = hf_config_for(args)
+        num_experts = make_recipe(args, hf_config, cpu=device.type == "cpu").config.num_moe_experts
         layout = parallel_layout(args, world, num_experts)
     except (sft_data.DataError, ConfigError) as err:
         _fail(err, rank)
+    # --load == --save with nothing saved yet is the first run of a resumable job: start fresh
+    first_run = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save) \
+        and checkpointing.latest_iteration(args.load) is None
+    resuming = bool(args.load and not first_run)
 
     parallel_state.initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=layout["ep"],
                                              expert_tensor_parallel_size=1)
@@ -380,21 +478,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model_parallel_cuda_manual_seed(args.seed)
     try:
         placement = _load_placement(args.placement) if args.placement else None
-        recipe, model, optimizer, scheduler = build(args, layout, device, tokenizer.vocab_size, placement)
+        recipe, model, optimizer, scheduler = build(args, layout, device, tokenizer.vocab_size, placement, hf_config,
+                                                    import_hf=None if resuming else args.hf_checkpoint)
     except ConfigError as err:
         _fail(err, rank)
     config = recipe.config
     layers = _moe_layers(model)
 
-    run_info = dict(recipe=args.recipe, seq_length=args.seq_length, world_size=world, llep=args.llep,
-                    tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
-                    expert_model_parallel_size=layout["ep"], data_parallel_size=layout["dp"],
-                    global_batch_size=layout["global_batch"], micro_batch_size=args.micro_batch_size)
+    run_info = run_info_for(args, layout, world, hf_config)
     progress = checkpointing.TrainingProgress()
-    # --load == --save with nothing saved yet is the first run of a resumable job: start fresh
-    first_run = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save) \
-        and checkpointing.latest_iteration(args.load) is None
-    if args.load and not first_run:
+    if resuming:
         try:
             progress = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, run_info, RESUME_MUST_MATCH,
                                                     placement)

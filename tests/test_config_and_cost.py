@@ -61,14 +61,47 @@ def test_gemm_time_grows_and_small_gemms_are_less_efficient():
     assert model.gemm_time(0, GPT_OSS_120B) == 0.0
 
 
-def test_spill_pays_only_for_enough_tokens():
+def test_spill_time_grows_with_weights_and_node_crossing():
     model = CostModel()
-    assert not model.spill_pays(16, 16, GPT_OSS_120B, inter_node=False, needs_weights=True)
-    assert model.spill_pays(32768, 0, GPT_OSS_120B, inter_node=False, needs_weights=True)
     # weights already there (second chunk to the same helper): cheaper
     assert model.spill_time(100, GPT_OSS_120B, False, False) < model.spill_time(100, GPT_OSS_120B, False, True)
     # crossing nodes is slower
     assert model.spill_time(100, GPT_OSS_120B, True, True) > model.spill_time(100, GPT_OSS_120B, False, True)
+    assert model.link_time(0, True) == 0.0 and model.link_time(1, False) == model.link_latency_s + 1 / 400e9
+
+
+def test_training_prices_backward_too():
+    """Training: GEMMs count forward and backward (3x the flops), the layer's bytes count twice."""
+    import numpy as np
+
+    from megatron_llep.planner import LayerTimeModel, plan_llep
+
+    inference, training = CostModel(), CostModel(training=True)
+    a, b = inference.gemm_coefficients(GPT_OSS_120B)
+    ta, tb = training.gemm_coefficients(GPT_OSS_120B)
+    assert tb == pytest.approx(3 * b) and ta - training.gemm_launch_s == pytest.approx(3 * (a - inference.gemm_launch_s))
+    counts = np.zeros((2, 4), np.int64)
+    counts[1, 0] = 4096  # plain EP: rank 1 sends 4096 tokens to rank 0
+    plan = plan_llep(counts, LLEPConfig(imbalance_threshold=1e9, cost_aware=False))
+    fwd = LayerTimeModel(counts, 2, GPT_OSS_120B, inference).phases(plan)
+    both = LayerTimeModel(counts, 2, GPT_OSS_120B, training).phases(plan)
+    tokens = 4096 * GPT_OSS_120B.token_bytes
+    assert fwd["dispatch_s"] == inference.link_time(tokens, False)
+    assert both["dispatch_s"] == training.link_time(2 * tokens, False)
+    assert both["compute_s"] == training.gemm_time(4096, GPT_OSS_120B)
+
+
+def test_cpu_preset_describes_a_slow_host():
+    cpu, h200 = CostModel.cpu(), CostModel()
+    assert cpu.gemm_time(1024, GPT_OSS_120B) > 100 * h200.gemm_time(1024, GPT_OSS_120B)
+    assert cpu.link_time(1e6, False) > 10 * h200.link_time(1e6, False)
+
+
+def test_finetune_and_the_library_agree_on_cost_aware():
+    finetune = pytest.importorskip("recipes.finetune")  # imports torch and Megatron-Core
+    assert LLEPConfig().cost_aware is True
+    assert finetune.parse_args([]).llep_cost_aware is True
+    assert finetune.parse_args(["--no-llep-cost-aware"]).llep_cost_aware is False
 
 
 def test_calibration_recovers_a_known_model():
@@ -83,14 +116,3 @@ def test_calibration_recovers_a_known_model():
         assert fitted.gemm_time(tokens, GPT_OSS_120B) == pytest.approx(seconds, rel=0.15)
     with pytest.raises(ValueError):
         CostModel.calibrate([], GPT_OSS_120B, link_samples=[(1e6, 1e-3), (1e6, 2e-3)])
-
-
-def test_spill_oracle_agrees_with_spill_pays():
-    for model in (CostModel(), CostModel(training=True, inter_node_gbps=10.0)):
-        oracle = model.spill_oracle(GPT_OSS_120B)
-        for tokens in (0, 1, 100, 1000, 5000, 50000):
-            for moved in (0, tokens // 2, tokens):
-                for inter in (False, True):
-                    for weights in (False, True):
-                        expected = model.spill_pays(tokens, moved, GPT_OSS_120B, inter, weights) if tokens else False
-                        assert oracle(tokens, moved, inter, weights) == expected
