@@ -75,9 +75,10 @@ def plan_model_section(data) -> str:
 
 
 def gpu_section(data) -> str:
-    return "\n".join([f"### One H200, emulated P = {data['rows'][0]['ep_size']} ({data['date']})", "",
+    grid = [r for r in data["rows"] if r.get("section", "grid") == "grid" and r.get("ep_ms") is not None]
+    return "\n".join([f"### One H200, emulated P = {grid[0]['ep_size']} ({data['date']})", "",
                       f"Machine: {data['machine']}. Command: `{data['command']}`.", "",
-                      _table(data["rows"], [("model", "layer", ""), ("scenario", "scenario", ""),
+                      _table(grid, [("model", "layer", ""), ("scenario", "scenario", ""),
                                             ("ep_ms", "EP ms", ".2f"), ("llep_ms", "LLEP ms", ".2f"),
                                             ("ideal_ms", "ideal ms", ".2f"), ("speedup", "speedup", ".2f"),
                                             ("paper_speedup", "paper", ".2f"), ("llep_vs_ideal", "LLEP/ideal", ".3f"),

@@ -263,7 +263,7 @@ def _check_megatron_support(recipe, layout: dict[str, int]) -> None:
     if config.num_layers % layout["pp"]:
         raise ConfigError(f"{recipe.name} has {config.num_layers} layers, not divisible by PP = {layout['pp']}")
     if config.add_bias_linear and not config.moe_grouped_gemm and layout["ep"] == 1 and layout["tp"] == 1:
-        raise ConfigError(f"{recipe.name}'s expert biases with local experts need EP >= 2 (Megatron-Core 0.16's "
+        raise ConfigError(f"{recipe.name}'s expert biases with local experts need EP >= 2 (Megatron-Core's (0.16-0.19) "
                           "SequentialMLP adds the fc2 bias in place on a view when EP = TP = 1)")
 
 
