@@ -235,13 +235,18 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
             self._llep_active = False
             return super().preprocess(routing_map)
         device = routing_map.device
-        local_counts = routing_map.sum(dim=0).long()
-        gathered = torch.empty(self.ep_size * self.num_experts, dtype=torch.long, device=device)
-        _all_gather_single(gathered, local_counts, group=self.ep_group)
-        counts = gathered.view(self.ep_size, self.num_experts).cpu().numpy()
+        # one more entry per rank: whether this rank's input is that of the oldest forward awaiting
+        # its recompute, so that all EP ranks take the same decision below
+        head = self._awaiting_recompute[0] if self._awaiting_recompute and torch.is_grad_enabled() else None
+        local = torch.cat([routing_map.sum(dim=0).long(),
+                           torch.tensor([int(head is not None and head.input_key == self._input_key)], device=device)])
+        gathered = torch.empty(self.ep_size * (self.num_experts + 1), dtype=torch.long, device=device)
+        _all_gather_single(gathered, local, group=self.ep_group)
+        gathered = gathered.view(self.ep_size, self.num_experts + 1).cpu().numpy()
+        counts, inputs_match = gathered[:, :-1], bool(gathered[:, -1].all())
         self.num_out_tokens = int(counts[self.ep_rank].sum())
 
-        step = self._recomputed_step(counts)
+        step = self._recomputed_step(counts, inputs_match)
         if step is None:
             step = self._plan_step(counts, device)
             if self.forward_is_recomputed and self.training_forward_without_grad():
@@ -285,14 +290,14 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         recompute runs it under ``no_grad`` and again, with grad, in backward."""
         return self.training and not torch.is_grad_enabled()
 
-    def _recomputed_step(self, counts: np.ndarray) -> Optional["_StepPlan"]:
+    def _recomputed_step(self, counts: np.ndarray, inputs_match: bool) -> Optional["_StepPlan"]:
         """The saved plan (and received weights) of the forward that backward is recomputing now,
-        matched by the layer input's storage and the global counts; ``None`` otherwise. Every EP
-        rank matches or misses together: they gathered the same counts."""
+        matched on every EP rank by the layer input's storage and by the global counts; ``None``
+        otherwise. All EP ranks decide alike: they gathered the same counts and match flags."""
         if not self._awaiting_recompute or not torch.is_grad_enabled():
             return None
         step = self._awaiting_recompute.popleft()
-        if step.input_key == self._input_key and np.array_equal(step.counts, counts):
+        if inputs_match and np.array_equal(step.counts, counts):
             return step
         self._awaiting_recompute.clear()  # out of order (or a forward that was never recomputed)
         return None
