@@ -29,7 +29,7 @@ CUDA and process-group start, ~20 s):
    DeepSeek-V3 expert math at full width; bit for bit, or within the stated tolerance.
 3. ``pipeline`` (~40 s): one rank of a real LLEP layer at full shape (``--pipeline-scenario``,
    the busiest helper rank), piece by piece with CUDA events: the host path (planner, rank view,
-   the device-built send/receive permutations), the token gathers, and Megatron's experts module
+   the send columns folded into Megatron's permute, the device-built receive permutation), the token gathers, and Megatron's experts module
    (TEGroupedMLP when Transformer Engine is there, and SequentialMLP) on the native slots, on the
    borrowed slots through ExpertAdapter, and on the same tokens as native experts; plain EP's
    hottest rank on the same module for comparison; communication priced at each link.
@@ -872,7 +872,6 @@ class Pipeline:
         self._need("view")
         view, ctx = self.st["view"], self.ctx
         if ctx.reasons["dispatcher"]:
-            self.st["send_perm"] = _HostIndexPermutation(view.send_order(), ctx.device)
             self.st["recv_perm"] = _HostIndexPermutation(view.recv_order(), ctx.device)
             self.st["perm_source"] = "planner host index (dispatcher unavailable)"
             raise Skip(ctx.reasons["dispatcher"])
@@ -881,13 +880,38 @@ class Pipeline:
         built = {}
 
         def step(mark):
-            built["send"] = _RowPermutation.send_order(view, ctx.device)
             built["recv"] = _RowPermutation.recv_order(view, ctx.device)
 
         timing = ctx.timer.run(step, ctx.args.repeats)
-        self.st.update(send_perm=built["send"], recv_perm=built["recv"], perm_source="megatron_llep.dispatcher._RowPermutation")
+        self.st.update(recv_perm=built["recv"], perm_source="megatron_llep.dispatcher._RowPermutation")
         return {"ms": _ms(timing["phases_s"][-1]), "host_ms": _ms(timing["host_s"]), "device_ms": _ms(timing["phases_s"][-1]),
-                "send_rows": int(view.send_counts.sum()), "recv_rows": int(view.recv_counts.sum()),
+                "recv_rows": int(view.recv_counts.sum()),
+                "summary": f"host {timing['host_s'] * 1e3:.3f} ms, until done {timing['phases_s'][-1] * 1e3:.3f} ms"}
+
+    def send_columns(self) -> dict:
+        """The plan folded into the routing map (the dispatcher's _SendColumns): Megatron's own permute
+        then emits the send order, so LLEP gathers no token row beyond stock EP's permute."""
+        self._need("view")
+        view, ctx = self.st["view"], self.ctx
+        if ctx.reasons["dispatcher"]:
+            raise Skip(ctx.reasons["dispatcher"])
+        from megatron_llep.dispatcher import _SendColumns
+
+        per_expert = view.send_counts.sum(axis=1)
+        tokens = self.shape.tokens_per_gpu
+        routing = torch.zeros(tokens, per_expert.size, dtype=torch.bool, device=ctx.device)
+        first = 0
+        for expert, count in enumerate(per_expert.tolist()):  # column by column, wrapping over the tokens
+            routing[(torch.arange(count, device=ctx.device) + first) % tokens, expert] = True
+            first = (first + count) % tokens
+        probs = torch.rand(routing.shape, device=ctx.device) * routing
+
+        def step(mark):
+            _SendColumns(view, ctx.device).apply(routing, probs)
+
+        timing = ctx.timer.run(step, ctx.args.repeats)
+        return {"ms": _ms(timing["phases_s"][-1]), "host_ms": _ms(timing["host_s"]),
+                "columns": int(np.count_nonzero(view.send_counts)),
                 "summary": f"host {timing['host_s'] * 1e3:.3f} ms, until done {timing['phases_s'][-1] * 1e3:.3f} ms"}
 
     def _gather(self, perm_key: str, rows: int, undo: bool) -> dict:
@@ -911,10 +935,6 @@ class Pipeline:
         return {"ms": _ms(seconds), "bwd_ms": _ms(timing["phases_s"][-1] - seconds) if not undo else None, "rows": rows,
                 "index_source": self.st.get("perm_source"), "gb_per_s": round(2 * moved / max(seconds, 1e-12) / 1e9, 2),
                 "summary": f"{rows} rows: {seconds * 1e3:.3f} ms"}
-
-    def send_gather(self) -> dict:
-        self._need("view")
-        return self._gather("send_perm", int(self.st["view"].send_counts.sum()), undo=False)
 
     def recv_gather(self) -> dict:
         self._need("view")
@@ -1039,8 +1059,9 @@ class Pipeline:
 
         llep_compute = ms(f"{backend} native") + ms(f"{backend} borrowed")
         ep_compute = ms(f"{backend} ep_hot_rank")
-        host = ms("plan") + ms("rank_view") + ms("permutations", "host_ms")
-        gathers = sum(ms(n) + ms(n, "bwd_ms") for n in ("send_gather", "recv_gather")) + 2 * ms("combine_gather")
+        host = ms("plan") + ms("rank_view") + ms("permutations", "host_ms") + ms("send_columns", "host_ms")
+        # the receive gather replaces stock's chunk sort, which the EP side does not count (conservative)
+        gathers = ms("send_columns") + ms("recv_gather") + ms("recv_gather", "bwd_ms") + 2 * ms("combine_gather")
         self._need("comm")
         links = []
         for gbps, comm in self.st["comm"].items():
@@ -1070,7 +1091,7 @@ def pipeline_section(ctx: Context, rec: Recorder) -> None:
         piece("plan", pipe.plan)
         piece("rank_view", pipe.rank_view)
         piece("permutations", pipe.permutations)
-        piece("send_gather", pipe.send_gather)
+        piece("send_columns", pipe.send_columns)
         piece("recv_gather", pipe.recv_gather)
         piece("combine_gather", pipe.combine_gather)
         piece("comm", pipe.comm)

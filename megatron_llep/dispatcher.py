@@ -80,13 +80,6 @@ class _RowPermutation:
         self.inverse = torch.empty_like(self.forward).scatter_(0, self.forward, rows)
 
     @classmethod
-    def send_order(cls, rank_plan: RankPlan, device: torch.device) -> "_RowPermutation":
-        """Expert-major permuted tokens (Megatron's permute) -> destination-major a2a input."""
-        num_experts, ep = rank_plan.send_counts.shape
-        chunk_order = np.arange(num_experts * ep).reshape(num_experts, ep).T.ravel()
-        return cls(rank_plan.send_counts.ravel(), chunk_order, device)
-
-    @classmethod
     def recv_order(cls, rank_plan: RankPlan, device: torch.device) -> "_RowPermutation":
         """a2a output (source-major) -> slot-major expert input (native slots, then borrowed)."""
         ep, num_experts = rank_plan.recv_counts.shape
@@ -98,6 +91,43 @@ class _RowPermutation:
 
     def undo(self, x: torch.Tensor) -> torch.Tensor:
         return permute_rows(x, self.inverse, self.forward)
+
+
+class _SendColumns:
+    """The plan folded into Megatron's permute: the routing map's columns split and reordered so
+    that Megatron's own (expert-major) permute emits the all-to-all's destination-major order.
+
+    Column ``(e, dst)`` holds the tokens of expert ``e`` that this rank sends to ``dst``: for a
+    spilled expert, the ``lo``-th to ``hi``-th of its routed tokens in token order (the split the
+    plan's ``send_counts`` make), else all of them. Columns are ordered by destination, then expert,
+    so no row is gathered beyond stock EP's permute; Megatron's unpermute with the same map restores
+    the token order on combine. Only ``[columns]`` vectors cross from the host.
+    """
+
+    def __init__(self, rank_plan: RankPlan, device: torch.device) -> None:
+        send = rank_plan.send_counts  # [N, P]
+        expert, dst = np.nonzero(send.T)[::-1]  # non-empty (e, dst) chunks, destination-major
+        # experts whose tokens from this rank go to more than one destination: their columns take
+        # a range of the expert's tokens; every other column takes all of its expert's tokens
+        split_experts = np.flatnonzero(np.count_nonzero(send, axis=1) > 1)
+        split_columns = np.flatnonzero(np.isin(expert, split_experts))
+        starts = np.cumsum(send, axis=1) - send  # a chunk's first row within its expert's tokens
+        e, d = expert[split_columns], dst[split_columns]
+        host = [expert, split_experts, split_columns, np.searchsorted(split_experts, e), starts[e, d], starts[e, d] + send[e, d]]
+        (self.expert, self.split_experts, self.split_columns, self.split_of_column, self.lo, self.hi) = [
+            torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True) for a in host
+        ]
+
+    def apply(self, routing_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``[tokens, columns]`` routing map and probabilities for Megatron's permute."""
+        columns = routing_map.index_select(1, self.expert)
+        if self.split_experts.numel():
+            # each routed token's index among its expert's tokens, for the split experts only
+            index = torch.cumsum(routing_map.index_select(1, self.split_experts), dim=0, dtype=torch.int32) - 1
+            index = index.index_select(1, self.split_of_column)
+            in_range = (index >= self.lo) & (index < self.hi)
+            columns.index_copy_(1, self.split_columns, columns.index_select(1, self.split_columns) & in_range)
+        return columns, probs.index_select(1, self.expert)
 
 
 # Per-layer CUDA-graph regions that leave the MoE dispatch, experts and combine out of the graph.
@@ -174,7 +204,7 @@ class _StepPlan:
     plan: LLEPPlan
     input_key: tuple
     rank_plan: Optional[RankPlan] = None
-    send_perm: Optional[_RowPermutation] = None
+    send_columns: Optional[_SendColumns] = None
     recv_perm: Optional[_RowPermutation] = None
     exchange: Optional[ExpertWeightExchange] = None
 
@@ -206,6 +236,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._llep_active = False
         self._exchange: Optional[ExpertWeightExchange] = None
         self._input_key: tuple = ()
+        self._tokens_per_expert: Optional[torch.Tensor] = None
         # set by the layer when Megatron recomputes its forward in backward (selective "moe" or full
         # recompute): the plans of forwards awaiting their recompute, oldest first
         self.forward_is_recomputed = False
@@ -224,16 +255,29 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return self._llep_active
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
-        # the layer input's storage identifies a micro-batch when its forward is recomputed in backward
-        self._input_key = (hidden_states.data_ptr(), tuple(hidden_states.shape))
-        return super().dispatch_preprocess(hidden_states, routing_map, probs)
-
-    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """Gather the global counts, plan (or take the plan of the forward being recomputed), and
-        set the metadata of the chosen path."""
+        """Plan from the global counts, then Megatron's own preprocess and permute: unchanged on
+        plain-EP steps; with the plan folded into the routing map on spilling steps."""
         if self.ep_size == 1 or not self.llep_config.enabled:
             self._llep_active = False
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        # the layer input's storage identifies a micro-batch when its forward is recomputed in backward
+        self._input_key = (hidden_states.data_ptr(), tuple(hidden_states.shape))
+        self._plan_from_counts(routing_map)
+        if self._llep_active:
+            routing_map, probs = self._send_columns.apply(routing_map, probs)
+        return super().dispatch_preprocess(hidden_states, routing_map, probs)
+
+    def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
+        """Megatron's metadata: its own on steps LLEP leaves alone, else set by the plan."""
+        if self.ep_size == 1 or not self.llep_config.enabled:
             return super().preprocess(routing_map)
+        self.num_out_tokens = int(routing_map.sum()) if self.config.moe_expert_capacity_factor is not None \
+            else routing_map.size(0) * self.config.moe_router_topk
+        return self._tokens_per_expert
+
+    def _plan_from_counts(self, routing_map: torch.Tensor) -> None:
+        """Gather the ``[P, N]`` counts, plan (or take the plan of the forward being recomputed),
+        and set the metadata of the chosen path."""
         device = routing_map.device
         # one more entry per rank: whether this rank's input is that of the oldest forward awaiting
         # its recompute, so that all EP ranks take the same decision below
@@ -242,9 +286,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
                            torch.tensor([int(head is not None and head.input_key == self._input_key)], device=device)])
         gathered = torch.empty(self.ep_size * (self.num_experts + 1), dtype=torch.long, device=device)
         _all_gather_single(gathered, local, group=self.ep_group)
-        gathered = gathered.view(self.ep_size, self.num_experts + 1).cpu().numpy()
+        gathered = gathered.cpu().numpy().reshape(self.ep_size, self.num_experts + 1)
         counts, inputs_match = gathered[:, :-1], bool(gathered[:, -1].all())
-        self.num_out_tokens = int(counts[self.ep_rank].sum())
 
         step = self._recomputed_step(counts, inputs_match)
         if step is None:
@@ -254,12 +297,15 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.plan, self.rank_plan, self._exchange = step.plan, step.rank_plan, step.exchange
         if step.plan.is_plain_ep:
             self._llep_active = False
-            return self._plain_ep_metadata(counts)
+            self._tokens_per_expert = self._plain_ep_metadata(counts)
+            return
         self._llep_active = True
-        self._send_perm, self._recv_perm = step.send_perm, step.recv_perm
-        self._input_split_list = step.rank_plan.input_splits.tolist()
-        self._output_split_list = step.rank_plan.output_splits.tolist()
-        return torch.from_numpy(step.rank_plan.tokens_per_slot.copy())
+        self._tokens_per_expert = None
+        self._send_columns, self._recv_perm = step.send_columns, step.recv_perm
+        self.input_splits = step.rank_plan.input_splits
+        self.output_splits = step.rank_plan.output_splits
+        self._input_split_list = self.input_splits.tolist()
+        self._output_split_list = self.output_splits.tolist()
 
     def _plan_step(self, counts: np.ndarray, device: torch.device) -> "_StepPlan":
         start = time.perf_counter()
@@ -272,7 +318,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if plan.is_plain_ep:
             return step
         step.rank_plan = plan.rank_view(self.ep_rank)
-        step.send_perm = _RowPermutation.send_order(step.rank_plan, device)
+        step.send_columns = _SendColumns(step.rank_plan, device)
         step.recv_perm = _RowPermutation.recv_order(step.rank_plan, device)
         exchange = ExpertWeightExchange(
             self.weight_group,
@@ -322,25 +368,17 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
         if not self._llep_active:
             return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
-        tokens = self._send_perm.apply(permutated_local_input_tokens)
-        probs = self._send_perm.apply(permuted_probs)
-        if not self.config.moe_permute_fusion:
-            # Megatron's unfused unpermute scatters rows by these indices, so composing them with
-            # the send order lets combine scatter straight from the a2a output (one copy fewer).
-            self.reversed_local_input_permutation_mapping = self.reversed_local_input_permutation_mapping.index_select(
-                0, self._send_perm.forward
-            )
         if self._exchange is not None:
             if self._exchange.sends:  # the weights must be this step's (overlapped param all-gather)
                 mcore.finish_param_sync(self.adapter.experts)
             self._exchange.start()
         if self.shared_experts is not None:
             mcore.shared_experts_wait_current_stream(self.shared_experts)
-        global_tokens = self._all_to_all(tokens, self._output_split_list, self._input_split_list)
+        global_tokens = self._all_to_all(permutated_local_input_tokens, self._output_split_list, self._input_split_list)
         if self.shared_experts is not None:
             # the overlapped shared expert's fc1 runs behind the token a2a (Megatron 0.18+'s order)
             self.shared_experts.linear_fc1_forward_and_act(global_tokens)
-        global_probs = self._all_to_all(probs, self._output_split_list, self._input_split_list)
+        global_probs = self._all_to_all(permuted_probs, self._output_split_list, self._input_split_list)
         return global_tokens, global_probs
 
     def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
@@ -366,9 +404,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
             # where the base class runs it; before 0.18 its combine_postprocess does, for both paths
             self.shared_experts.linear_fc2_forward(tokens)
             self.shared_experts.post_forward_comm()
-        if not self.config.moe_permute_fusion:
-            return tokens  # unpermute uses the composed indices set in token_dispatch
-        return self._send_perm.undo(tokens)
+        return tokens  # destination-major, as Megatron's unpermute with the send columns expects
 
     def _all_to_all(self, tokens: torch.Tensor, output_splits: list, input_splits: list) -> torch.Tensor:
         return mcore.all_to_all(

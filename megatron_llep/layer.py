@@ -82,11 +82,14 @@ class LLEPMoELayer(MoELayer):
             return super().routed_experts_compute(hidden_states, probs)
         hidden, tokens_per_slot, slot_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
         counts = tokens_per_slot.tolist()
+        exchange = dispatcher.weight_exchange
+        if exchange is not None:
+            hidden = exchange.attach(hidden)
         # native experts first, while the borrowed weights may still be in flight
         output = self.expert_adapter.forward_native(hidden, counts, slot_probs)
         borrowed = []
-        if dispatcher.weight_exchange is not None:
-            output, borrowed = dispatcher.weight_exchange.finish(output)
+        if exchange is not None:
+            output, borrowed = exchange.finish(output)
         outputs = [output, *self.expert_adapter.forward_borrowed(hidden, counts, slot_probs, borrowed)]
         return dispatcher.combine_preprocess(torch.cat(outputs, dim=0)), None
 

@@ -4,12 +4,16 @@ Forward: :meth:`ExpertWeightExchange.start` posts the P2P sends/receives on a co
 own (:func:`weight_exchange_group`) before the token all-to-all; the native experts run while they
 travel; :meth:`finish` then waits and hands out the received weights through an autograd function.
 
-Backward: the same function sends each borrowed weight's gradient back to the native rank, which
-adds it to the native expert's gradient — into ``main_grad`` directly under Megatron DDP (its
-hooks may already be ignoring ``param.grad`` for fused wgrad), otherwise into ``param.grad``
-through autograd. The function also passes the native experts' output (the "anchor") through, so
-its backward runs, on every participating rank, strictly between the combine and the dispatch
-all-to-all backward of the same layer: the gradient return can never deadlock against them.
+Backward: each borrowed weight's gradient goes back to the native rank, which adds it to the
+native expert's gradient — into ``main_grad`` directly under Megatron DDP (its hooks may already
+be ignoring ``param.grad`` for fused wgrad), otherwise into ``param.grad`` through autograd. Two
+autograd nodes do it: the one on the native experts' output (:meth:`ExpertWeightExchange.finish`)
+posts the transfers as soon as the borrowed experts' backward is done, the one on the experts'
+input (:meth:`ExpertWeightExchange.attach`) waits for them after the native experts' backward. So
+the transfer overlaps the native backward, and both nodes run, on every participating rank,
+strictly between the combine and the dispatch all-to-all backward of the same layer: the gradient
+return can never deadlock against them. The lent experts' parameters are inputs of the second
+node, so Megatron DDP's gradient hooks on them fire only after the returned gradients are added.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class ExpertWeightExchange:
         }
         self._pending: list = []
         self._posted = False
+        # backward: (pending transfers, gradients being sent, received gradients per lent expert)
+        self._gradient_transfer: Optional[tuple[list, list[torch.Tensor], dict[int, list[list[torch.Tensor]]]]] = None
 
     @property
     def active(self) -> bool:
@@ -87,19 +93,27 @@ class ExpertWeightExchange:
                 ops.append(dist.P2POp(dist.irecv, buffer, self._peer(native), self.group))
         self._pending = dist.batch_isend_irecv(ops) if ops else []
 
-    def finish(self, anchor: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """Wait for the weights; returns the anchor (pass it on) and the borrowed experts' tensors
-        in ``receives`` order, connected to autograd for the gradient return.
+    def attach(self, expert_input: torch.Tensor) -> torch.Tensor:
+        """Pass the experts' input (native and borrowed slots) through the gradient-return node.
 
-        The anchor is the native experts' output: its gradient arrives right after the combine
-        all-to-all's backward, and the native experts' backward (then the dispatch all-to-all's)
-        waits for this function's, so every participating rank returns gradients between the
-        layer's two all-to-all backwards: the P2P exchange cannot cross them."""
+        Its backward runs once every expert on this rank, native and borrowed, has produced its
+        input gradient, and before the dispatch all-to-all's backward (which needs that gradient):
+        the returned gradients arrive while this rank's native experts run their backward, and the
+        P2P exchange can never cross the layer's all-to-all backwards."""
         inputs = [t for expert in self.sent_experts for t in self._native_tensors(expert)]
+        return _ReturnBorrowedGradients.apply(expert_input, self, *inputs)
+
+    def finish(self, native_output: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Wait for the weights (after the native experts ran); returns ``native_output`` (pass it
+        on) and the borrowed experts' tensors in ``receives`` order, connected to autograd.
+
+        In backward the native output's gradient arrives right after the combine all-to-all's, so
+        this node runs as soon as the borrowed experts' weight gradients exist: it posts their
+        return without waiting, and :meth:`attach`'s node completes it."""
         # Tie the outputs to a native parameter so that every rank's borrowed weights require grad
         # exactly when its expert parameters do (a rank that only receives has no other input).
         tie = self._native_tensors(self.first_local_expert)[0]
-        outputs = _BorrowExperts.apply(anchor, tie, self, *inputs)
+        outputs = _BorrowExperts.apply(native_output, tie, self)
         anchor_out, flat = outputs[0], outputs[1:]
         per_expert = len(self.specs)
         borrowed = [list(flat[i * per_expert : (i + 1) * per_expert]) for i in range(len(self.receives))]
@@ -110,15 +124,17 @@ class ExpertWeightExchange:
             work.wait()
         self._pending = []
 
-    def return_gradients(self, grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
-        """Backward P2P. ``grads`` follow ``receives``; returns the summed gradient for each tensor
-        of ``sent_experts`` (``None`` where it went straight into Megatron DDP's ``main_grad``)."""
+    def post_gradients(self, grads: list[Optional[torch.Tensor]]) -> None:
+        """Backward, first half: post the borrowed weights' gradients (``grads`` follow ``receives``)
+        to their native ranks, and the receives of the gradients of the experts this rank lent."""
         per_expert = len(self.specs)
         ops = []
+        outgoing = []  # kept alive until the sends complete
         for i, (expert, native) in enumerate(self.receives):
             for j, buffer in enumerate(self.received[expert]):
                 grad = grads[i * per_expert + j]
                 grad = torch.zeros_like(buffer) if grad is None else grad.contiguous()
+                outgoing.append(grad)
                 ops.append(dist.P2POp(dist.isend, grad, self._peer(native), self.group))
         incoming: dict[int, list[list[torch.Tensor]]] = {expert: [] for expert in self.sent_experts}
         for expert, helper in self.sends:
@@ -126,9 +142,22 @@ class ExpertWeightExchange:
             incoming[expert].append(buffers)
             for buffer in buffers:
                 ops.append(dist.P2POp(dist.irecv, buffer, self._peer(helper), self.group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+        self._gradient_transfer = (dist.batch_isend_irecv(ops) if ops else [], outgoing, incoming)
 
+    def return_gradients(self) -> list[Optional[torch.Tensor]]:
+        """Backward, second half: wait for the posted gradient transfers; returns the summed
+        gradient for each tensor of ``sent_experts`` (``None`` where it went straight into Megatron
+        DDP's ``main_grad``)."""
+        if self._gradient_transfer is None:
+            raise RuntimeError(
+                "LLEP weight exchange: the borrowed-weight gradients were never posted (the backward of "
+                "the native experts' output did not run before that of the experts' input)"
+            )
+        pending, _, incoming = self._gradient_transfer
+        for work in pending:
+            work.wait()
+        self._gradient_transfer = None
+        per_expert = len(self.specs)
         result: list[Optional[torch.Tensor]] = []
         for expert in self.sent_experts:
             main_grads = self.adapter.main_grads(expert - self.first_local_expert)
@@ -149,16 +178,29 @@ class ExpertWeightExchange:
 
 
 class _BorrowExperts(torch.autograd.Function):
-    """Identity on the anchor; outputs the received weights; backward returns their gradients."""
+    """Identity on the native output; outputs the received weights; backward posts their gradients."""
 
     @staticmethod
-    def forward(ctx, anchor, tie, exchange: ExpertWeightExchange, *sent):
+    def forward(ctx, native_output, tie, exchange: ExpertWeightExchange):
         exchange.wait()
         ctx.exchange = exchange
         received = [t for expert, _ in exchange.receives for t in exchange.received[expert]]
-        return (anchor.view_as(anchor), *received)
+        return (native_output.view_as(native_output), *received)
 
     @staticmethod
-    def backward(ctx, grad_anchor, *grad_received):
-        returned = ctx.exchange.return_gradients(list(grad_received))
-        return (grad_anchor, None, None, *returned)
+    def backward(ctx, grad_native_output, *grad_received):
+        ctx.exchange.post_gradients(list(grad_received))
+        return grad_native_output, None, None
+
+
+class _ReturnBorrowedGradients(torch.autograd.Function):
+    """Identity on the experts' input; backward completes the gradient return to the lent experts."""
+
+    @staticmethod
+    def forward(ctx, expert_input, exchange: ExpertWeightExchange, *lent):
+        ctx.exchange = exchange
+        return expert_input.view_as(expert_input)
+
+    @staticmethod
+    def backward(ctx, grad_expert_input):
+        return (grad_expert_input, None, *ctx.exchange.return_gradients())

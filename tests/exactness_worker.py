@@ -42,6 +42,7 @@ class Case:
     broken: str = ""  # negative control: a key of BROKEN_MAPPINGS, applied to the LLEP layer's run
     shared_expert: int = 0  # shared expert FFN width (0: none)
     shared_overlap: bool = False  # moe_shared_expert_overlap: dispatcher drives the shared expert
+    capacity_factor: Optional[float] = None  # Megatron's token dropping (no padding); the dense reference does not drop
 
 
 def _expert_ids(case: Case, rank: int, tokens: int) -> np.ndarray:
@@ -101,8 +102,8 @@ def _drop_returned_gradients():
     """Helpers compute borrowed-weight gradients, but the native rank never receives them."""
     original = ExpertWeightExchange.return_gradients
 
-    def dropped(self, grads):
-        original(self, grads)
+    def dropped(self):
+        original(self)
         return [None] * (len(self.sent_experts) * len(self.specs))
 
     ExpertWeightExchange.return_gradients = dropped
@@ -137,8 +138,9 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
         grouped_gemm_cpu.install()
     shared = dict(moe_shared_expert_intermediate_size=case.shared_expert,
                   moe_shared_expert_overlap=case.shared_overlap) if case.shared_expert else {}
+    dropping = dict(moe_expert_capacity_factor=case.capacity_factor) if case.capacity_factor else {}
     cfg = moe_config(case.num_experts, case.hidden, case.ffn, case.topk, world, gpt_oss_experts=case.gpt_oss,
-                     bias_activation_fusion=case.fused_bias_act, params_dtype=dtype, **shared)
+                     bias_activation_fusion=case.fused_bias_act, params_dtype=dtype, **shared, **dropping)
     llep_cfg = LLEPConfig(min_chunk_tokens=case.min_chunk_tokens, imbalance_threshold=case.imbalance_threshold,
                           alpha=case.alpha, cost_aware=False)
     stock = build_moe_layer(cfg, None, seed=7, grouped_gemm=case.grouped_gemm)
@@ -190,6 +192,7 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     errs["shared_vs_stock"] = max([_rel_err(a, b) for a, b in zip(got["shared"], ref_stock["shared"])], default=0.0)
     errs["experts_vs_ref"] = expert_ref
     errs["mode"] = stats.mode if stats is not None else "none"
+    errs["dropped"] = tokens * case.topk - int(stock.token_dispatcher.routing_map.sum())
     errs["weight_transfers"] = stats.weight_transfers if stats is not None else 0
     errs["spilled_tokens"] = stats.spilled_tokens if stats is not None else 0
     errs["max_mean_after"] = stats.max_mean_after if stats is not None else 0.0

@@ -68,7 +68,7 @@ def test_gpu_script_dry_run(tmp_path):
             assert r["ep_ms"] > 0 and r["llep_ms"] > 0 and r["ep_peak_gb"] >= 0
 
     pipeline = {(r["model"], r["piece"]): r for r in rows if r["section"] == "pipeline"}
-    host_pieces = ("plan", "rank_view", "permutations", "send_gather", "recv_gather", "combine_gather", "comm")
+    host_pieces = ("plan", "rank_view", "permutations", "send_columns", "recv_gather", "combine_gather", "comm")
     expert_pieces = ("build", "native", "borrowed", "borrowed_as_native", "ep_hot_rank", "total")
     for model in models:
         assert pipeline[model, "plan"]["mode"] == "llep" and pipeline[model, "plan"]["borrowed_experts"]
@@ -90,8 +90,8 @@ def test_gpu_script_dry_run(tmp_path):
     data, _ = _bench("gpu_h200.py", *dry, "--without-megatron", "--sections", "pipeline", "correctness", tmp_path=str(tmp_path))
     rows = {(r["section"], r["name"]): r for r in data["rows"]}
     assert data["status"] == "complete" and not [r for r in rows.values() if r["status"] == "error"]
-    assert rows["pipeline", "kimi-k2 plan"]["status"] == "ok" and rows["pipeline", "kimi-k2 send_gather"]["status"] == "ok"
-    for key in (("pipeline", "kimi-k2 permutations"), ("pipeline", "kimi-k2 SequentialMLP build"),
+    assert rows["pipeline", "kimi-k2 plan"]["status"] == "ok" and rows["pipeline", "kimi-k2 recv_gather"]["status"] == "ok"
+    for key in (("pipeline", "kimi-k2 permutations"), ("pipeline", "kimi-k2 send_columns"), ("pipeline", "kimi-k2 SequentialMLP build"),
                 ("correctness", "bf16 SequentialMLP deepseek-v3")):
         assert rows[key]["status"] == "skipped" and "megatron-core" in rows[key]["reason"], key
 
@@ -107,4 +107,5 @@ def test_host_overhead(tmp_path):
     assert "extra host ms" in stdout
     rows = {r["scenario"]: r for r in data["rows"]}
     assert rows["balanced"]["mode"] == "plain" and rows["balanced"]["extra_rows"] == 0
-    assert rows["0.95:4"]["mode"] == "llep" and rows["0.95:4"]["extra_rows"] > 0
+    # the plan is folded into Megatron's permute: no row gathered beyond stock EP (16 experts per rank)
+    assert rows["0.95:4"]["mode"] == "llep" and rows["0.95:4"]["extra_rows"] == 0 and rows["0.95:4"]["columns"] > 0
