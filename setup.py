@@ -21,6 +21,10 @@ setup(
         "safetensors>=0.4",  # Hugging Face checkpoints in and out (recipes/hf)
         "tokenizers>=0.15",
         "jinja2>=3.1.6",  # chat templates of local Hugging Face tokenizers (recipes/data.py); sandbox fixes  # local Hugging Face tokenizer.json files for fine-tuning data
+        # recipes/pretrain_gpt.py reads Megatron's indexed datasets; where megatron-core 0.17+ runs on Python 3.11
+        # (overlaid, as CI does) its cp312 dataset helper does not load and megatron_llep.compat.megatron_training
+        # compiles the shipped helpers.cpp with pybind11 (and g++)
+        'pybind11>=2.10; python_version < "3.12"',
         "psutil>=5",  # dist_checkpointing's writer processes need it (and hang without it)
     ],
     extras_require={

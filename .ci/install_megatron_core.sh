@@ -6,7 +6,8 @@
 #
 # On Python >= 3.12 this is a plain `pip install megatron-core==VERSION`, what users do.
 # On older Pythons (this project's CI: 3.11) pip refuses megatron-core 0.17+ (Requires-Python >= 3.12, cp312 wheels
-# only, for a compiled dataset helper this project does not use; the Python sources run on 3.11). There the
+# only, for a compiled dataset helper; the Python sources run on 3.11, and recipes/pretrain_gpt.py compiles the
+# helper from the shipped helpers.cpp where the cp312 build does not load). There the
 # script downloads the cp312 wheel and overlays its Python tree: the installed megatron/ package and
 # megatron_core-*.dist-info are deleted first (so no file of the old release survives), then the wheel's
 # megatron/ and dist-info are copied in. See docs/compat.md.

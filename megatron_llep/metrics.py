@@ -79,6 +79,23 @@ class LLEPStatsTracker:
         steps, self._steps = self._steps, {}
         return {layer: list(entries) for layer, entries in steps.items()}
 
+    def drain_by_layer(self) -> dict[int, dict[str, float]]:
+        """Drain, summarised per layer over the micro-batches since the last drain: token and byte
+        counts and planner time summed, ratios averaged (what the dashboards log)."""
+        summary = {}
+        for layer, steps in self.drain().items():
+            if layer is None or not steps:
+                continue
+            summary[int(layer)] = {
+                "max_mean_before": float(np.mean([s.max_mean_before for s in steps])),
+                "max_mean_after": float(np.mean([s.max_mean_after for s in steps])),
+                "spilled_tokens": float(sum(s.spilled_tokens for s in steps)),
+                "weight_bytes": float(sum(s.weight_bytes for s in steps)),
+                "plan_time_ms": 1e3 * float(sum(s.plan_time_s for s in steps)),
+                "llep_active": float(np.mean([s.mode == "llep" for s in steps])),
+            }
+        return summary
+
     def summary(self) -> dict[str, float]:
         """Mean of every scalar over all recorded steps and layers (without clearing)."""
         rows = [s.scalars() for layer in self._steps.values() for s in layer]

@@ -103,28 +103,11 @@ class MoELoadMeter:
         return {layer: c.numpy() for layer, c in counts.items()}
 
 
-def _llep_layer_summary() -> dict[int, dict[str, float]]:
-    """This rank's LLEP statistics since the last drain, averaged over micro-batches per layer."""
-    summary = {}
-    for layer, steps in STATS.drain().items():
-        if layer is None or not steps:
-            continue
-        summary[int(layer)] = {
-            "max_mean_before": float(np.mean([s.max_mean_before for s in steps])),
-            "max_mean_after": float(np.mean([s.max_mean_after for s in steps])),
-            "spilled_tokens": float(sum(s.spilled_tokens for s in steps)),
-            "weight_bytes": float(sum(s.weight_bytes for s in steps)),
-            "plan_time_ms": 1e3 * float(sum(s.plan_time_s for s in steps)),
-            "llep_active": float(np.mean([s.mode == "llep" for s in steps])),
-        }
-    return summary
-
-
 def gather_moe_metrics(load_meter: MoELoadMeter) -> tuple[dict[str, float], Optional[np.ndarray], list[int]]:
     """Collective: merge every rank's routing loads (summed) and LLEP statistics (averaged over
     the ranks reporting a layer). Returns the scalar metrics, the [layers, experts] load matrix
     normalised by each layer's mean (or ``None`` without MoE layers) and its layer numbers."""
-    local = {"loads": load_meter.drain(), "llep": _llep_layer_summary()}
+    local = {"loads": load_meter.drain(), "llep": STATS.drain_by_layer()}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     loads: dict[int, np.ndarray] = {}

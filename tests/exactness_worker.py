@@ -14,7 +14,8 @@ import torch.distributed as dist
 from megatron_llep.config import LLEPConfig
 from megatron_llep.scenarios import force_routing, imbalanced_topk
 from megatron_llep.testing import grouped_gemm_cpu
-from megatron_llep.testing.moe import build_moe_layer, expert_weights, init_expert_parallel, moe_config
+from megatron_llep.testing.moe import (build_moe_layer, expert_weights, init_expert_parallel, moe_config,
+                                       send_a_neighbouring_expert)
 from megatron_llep.testing.reference import dense_moe_reference, expert_forward_reference
 from megatron_llep.weight_exchange import ExpertWeightExchange
 
@@ -83,21 +84,6 @@ def _gather_experts(layer, world: int) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _send_a_neighbouring_expert():
-    """The native rank sends the weights of the expert next to the borrowed one."""
-    original = ExpertWeightExchange._native_tensors
-
-    def shifted(self, expert):
-        return self.adapter.expert_tensors((expert - self.first_local_expert + 1) % self.adapter.num_local_experts)
-
-    ExpertWeightExchange._native_tensors = shifted
-    try:
-        yield
-    finally:
-        ExpertWeightExchange._native_tensors = original
-
-
-@contextlib.contextmanager
 def _drop_returned_gradients():
     """Helpers compute borrowed-weight gradients, but the native rank never receives them."""
     original = ExpertWeightExchange.return_gradients
@@ -114,7 +100,7 @@ def _drop_returned_gradients():
 
 
 # Negative controls: each breaks one mapping of LLEP; the comparisons must then fail.
-BROKEN_MAPPINGS = {"wrong_expert_sent": _send_a_neighbouring_expert, "gradients_not_returned": _drop_returned_gradients}
+BROKEN_MAPPINGS = {"wrong_expert_sent": send_a_neighbouring_expert, "gradients_not_returned": _drop_returned_gradients}
 
 
 def _run_layer(layer, x, dy, ids):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -127,3 +128,21 @@ def expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[str, torch
     names = {"linear_fc1.weight": "fc1_weight", "linear_fc1.bias": "fc1_bias",
              "linear_fc2.weight": "fc2_weight", "linear_fc2.bias": "fc2_bias"}
     return [{names[n]: pick(p) for n, p in e.named_parameters()} for e in experts.local_experts]
+
+
+@contextlib.contextmanager
+def send_a_neighbouring_expert() -> Iterator[None]:
+    """Negative control for parity tests: every native rank sends the weights of the expert next to
+    the one borrowed, so borrowed slots compute with the wrong expert."""
+    from megatron_llep.weight_exchange import ExpertWeightExchange
+
+    original = ExpertWeightExchange._native_tensors
+
+    def shifted(self, expert):
+        return self.adapter.expert_tensors((expert - self.first_local_expert + 1) % self.adapter.num_local_experts)
+
+    ExpertWeightExchange._native_tensors = shifted
+    try:
+        yield
+    finally:
+        ExpertWeightExchange._native_tensors = original

@@ -1,0 +1,191 @@
+"""Megatron-LM's training loop (``megatron.training``) across the megatron-core wheels that ship it.
+
+``megatron.training`` is inside the megatron-core wheel from 0.17 on; 0.16 wheels have none
+(:func:`missing_reason`). What differs between the releases, and between them and this project's
+Python 3.11 CI (which runs 0.19's Python sources over a 0.16 install), lives here:
+
+* ``pretrain()``: 0.17 parses the command line itself, inside, after the process group is up, so
+  flags cannot be checked before anything starts: not supported (:func:`missing_reason` says so).
+  0.18 takes a ``PretrainConfigContainer`` (built from the parsed arguments) first and the model
+  provider positionally; 0.19 takes the model provider as a keyword (or a model config inside the
+  container). :func:`run_pretrain` calls each the way it expects, told apart by ``pretrain``'s own
+  signature.
+* ``typing.override`` (Python 3.12) is used by 0.18+'s ``megatron.training``: aliased to
+  ``typing_extensions.override`` on 3.11.
+* The wheels ship the dataset index helper (``megatron/core/datasets/helpers_cpp``) compiled for one
+  Python (cp312) but not the Makefile Megatron-LM's ``compile_helpers()`` runs, so rank 0 exits
+  inside ``initialize_megatron`` on every machine. :func:`use_dataset_helpers` keeps the shipped
+  build when it imports, and otherwise compiles ``helpers.cpp`` (shipped too) once with pybind11 into
+  a cache directory, as the Makefile would; :func:`check_dataset_helpers` says beforehand when it
+  could not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import typing
+import warnings
+from typing import Any, Callable, Optional
+
+_HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
+
+
+def alias_typing_override() -> None:
+    """``typing.override`` (3.12) as ``typing_extensions.override`` on older Pythons."""
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+
+
+def missing_reason() -> Optional[str]:
+    """Why Megatron-LM's loop cannot be used here (``None`` when it can); imports nothing heavy
+    when the answer is no."""
+    alias_typing_override()
+    if importlib.util.find_spec("megatron.core") is None:
+        return "megatron-core is not installed"
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(unknown version)"
+    if importlib.util.find_spec("megatron.training") is None:
+        return (f"megatron-core {version} has no megatron.training (Megatron-LM's training loop, in the megatron-core "
+                "wheel from 0.17 on)")
+    with warnings.catch_warnings():  # Megatron-Core's import-time notes about missing GPU extensions
+        warnings.simplefilter("ignore")
+        try:
+            training = importlib.import_module("megatron.training.training")
+        except ImportError as err:
+            return f"megatron.training of megatron-core {version} cannot be imported: {err}"
+    if "cfg_container" not in inspect.signature(training.pretrain).parameters:
+        return (f"megatron-core {version}'s pretrain() parses the command line itself, after starting the process "
+                "group, so LLEP's flags cannot be checked first; megatron-core >= 0.18 is needed")
+    return None
+
+
+def helpers_cache_dir() -> str:
+    """Where a dataset helper compiled for this Python is kept: ``$MEGATRON_LLEP_CACHE`` or
+    ``~/.cache/megatron_llep``, one subdirectory per ``helpers.cpp`` content and Python ABI."""
+    from megatron.core import datasets
+
+    source = os.path.join(os.path.dirname(datasets.__file__), "helpers.cpp")
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read() + sysconfig.get_config_var("EXT_SUFFIX").encode()).hexdigest()[:16]
+    root = os.environ.get("MEGATRON_LLEP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "megatron_llep")
+    return os.path.join(root, f"dataset_helpers_{digest}")
+
+
+def _helpers_import() -> bool:
+    importlib.invalidate_caches()  # a helper just compiled into a directory already searched
+    try:
+        importlib.import_module(_HELPERS_MODULE)
+        return True
+    except ImportError:
+        sys.modules.pop(_HELPERS_MODULE, None)
+        return False
+
+
+def build_dataset_helpers() -> None:
+    """Megatron-LM's ``compile_helpers()`` without its Makefile: nothing when the shipped helper
+    imports; otherwise ``g++ helpers.cpp`` with pybind11 into :func:`helpers_cache_dir` (written
+    atomically). Raises ``RuntimeError`` with a one-line reason when it cannot be built."""
+    if _helpers_import():
+        return
+    from megatron.core import datasets
+
+    target_dir = helpers_cache_dir()
+    target = os.path.join(target_dir, "helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
+    if not os.path.exists(target):
+        check_dataset_helpers()
+        import pybind11
+
+        os.makedirs(target_dir, exist_ok=True)
+        partial = f"{target}.{os.getpid()}.tmp"
+        source = os.path.join(os.path.dirname(datasets.__file__), "helpers.cpp")
+        command = ["g++", "-O3", "-Wall", "-shared", "-std=c++11", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                   f"-I{pybind11.get_include()}", source, "-o", partial]
+        print(f"[megatron-llep] compiling megatron-core's dataset helper for this Python into {target_dir} (once)",
+              flush=True)
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"compiling {source} failed: {last}")
+        os.replace(partial, target)
+    _add_helpers_dir()
+    if not _helpers_import():
+        raise RuntimeError(f"{target} was built but does not import; delete {target_dir} and retry")
+
+
+def check_dataset_helpers() -> None:
+    """Before anything starts: ``RuntimeError`` (one line) when the dataset helper neither imports
+    (shipped or built before) nor can be built here."""
+    _add_helpers_dir()
+    if _helpers_import():
+        return
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if importlib.util.find_spec("pybind11") is None:
+        raise RuntimeError(f"megatron-core's dataset helper is not built for Python {python}, and building it needs "
+                           "pybind11: pip install pybind11")
+    if shutil.which("g++") is None:
+        raise RuntimeError(f"megatron-core's dataset helper is not built for Python {python}, and building it needs "
+                           "a C++ compiler (g++) on PATH")
+
+
+def _add_helpers_dir() -> None:
+    from megatron.core import datasets
+
+    directory = helpers_cache_dir()
+    if directory not in datasets.__path__:
+        datasets.__path__.append(directory)
+
+
+def use_dataset_helpers() -> None:
+    """Replace ``compile_helpers()`` (rank 0 runs it inside ``initialize_megatron``, the others wait
+    at the barrier after it) by :func:`build_dataset_helpers`, and let every rank import a helper
+    built into the cache."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    _add_helpers_dir()
+
+    def compile_helpers() -> None:
+        try:
+            build_dataset_helpers()
+        except RuntimeError as err:
+            print(f"[megatron-llep] error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    dataset_utils.compile_helpers = compile_helpers
+
+
+def parse_and_validate_args(extra_args_provider: Callable, args_defaults: dict) -> Any:
+    """Megatron-LM's command line, parsed and validated, set as its global ``args``."""
+    from megatron.training.arguments import parse_and_validate_args as parse
+
+    return parse(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+
+
+def run_pretrain(args: Any, dataset_provider: Callable, model_provider: Callable, forward_step: Callable) -> None:
+    """``megatron.training.pretrain`` for a GPT model built by ``model_provider`` (``args``: what
+    :func:`parse_and_validate_args` returned)."""
+    from megatron.core.enums import ModelType
+    from megatron.training import training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    with warnings.catch_warnings():  # "a ModelConfig is recommended": this model comes from model_provider
+        warnings.simplefilter("ignore")
+        container = pretrain_cfg_container_from_args(args, None)
+    if list(inspect.signature(training.pretrain).parameters)[2] == "model_provider":
+        # 0.18: (cfg_container, datasets_provider, model_provider, model_type, forward_step_func, ...)
+        training.pretrain(container, dataset_provider, model_provider, ModelType.encoder_or_decoder, forward_step)
+    else:  # 0.19: (cfg_container, datasets_provider, model_type, forward_step_func, model_provider=None, ...)
+        training.pretrain(container, dataset_provider, ModelType.encoder_or_decoder, forward_step,
+                          model_provider=model_provider)

@@ -1,0 +1,268 @@
+"""Pretrain a GPT (MoE) model with Megatron-LM's own training loop, LLEP one flag away.
+
+This is Megatron-LM's ``pretrain_gpt.py`` (``megatron.training.pretrain``: its flags, data loaders,
+schedules, checkpoints, TensorBoard/wandb logging) on Megatron's indexed datasets
+(``GPTDataset`` built by ``BlendedMegatronDatasetBuilder`` from ``.bin``/``.idx`` prefixes, blended,
+with train/valid/test splits), plus the plugin :mod:`megatron_llep.megatron_lm`: ``--llep`` and the
+``--llep-*`` flags, ``--llep-placement``, and per-layer LLEP statistics at ``--log-interval``.
+Needs megatron-core >= 0.18 (``megatron.training``). See docs/pretrain.md.
+
+CPU (gloo, 2 ranks; the flags a CPU run needs are added)::
+
+    python recipes/make_indexed_dataset.py recipes/data/tiny_sft.jsonl --output-prefix /tmp/tiny
+    python -m torch.distributed.run --nproc_per_node 2 recipes/pretrain_gpt.py --llep \\
+        --data-path /tmp/tiny_text_document --split 90,5,5 --tokenizer-type NullTokenizer --vocab-size 258 \\
+        --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 \\
+        --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall \\
+        --micro-batch-size 2 --global-batch-size 4 --train-iters 10 --lr 1e-3 --eval-iters 2 --log-interval 1 \\
+        --force-routing 0.9:1
+"""
+
+from __future__ import annotations
+
+import time
+
+_PROGRAM_START_TIME = time.time()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from functools import partial  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PREFIX = "[pretrain_gpt]"
+
+
+def _rank() -> int:
+    """This process's global rank from the launcher's environment (torch.distributed is not up yet)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def _fail(message: str) -> None:
+    """A usage error: one line from rank 0, exit status 2, no traceback."""
+    if _rank() == 0:
+        print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's flags plus LLEP's and this script's own."""
+    from megatron_llep.megatron_lm import add_llep_args
+
+    add_llep_args(parser)
+    parser.add_argument_group("demo").add_argument(
+        "--force-routing", default=None, metavar="F:H",
+        help="demo/benchmark only: force a fraction F of tokens into H hot experts (Megatron's router replay)")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """This script's checks (one-line ``ValueError``): forced routing and the data prefixes."""
+    if args.force_routing is not None:
+        try:
+            fraction, hot = args.force_routing.split(":")
+            args.force_routing = (float(fraction), int(hot))
+        except ValueError:
+            raise ValueError(f"--force-routing expects F:H (e.g. 0.9:1), got {args.force_routing!r}") from None
+        if not 0.0 <= args.force_routing[0] <= 1.0 or not 1 <= args.force_routing[1] <= (args.num_experts or 0):
+            raise ValueError(f"--force-routing F:H needs 0 <= F <= 1 and 1 <= H <= --num-experts, got {args.force_routing}")
+        args.moe_enable_routing_replay = True  # becomes the TransformerConfig field the model is built with
+    if args.mock_data:
+        return
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    prefixes = [p for b in ([blend] if blend else []) + [b for b in (blend_per_split or []) if b] for p in b[0]]
+    if not prefixes:
+        raise ValueError("no data: give --data-path PREFIX (.bin/.idx from recipes/make_indexed_dataset.py), "
+                         "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ValueError(f"data prefix {prefix}: {prefix + suffix} does not exist "
+                                 "(build one with recipes/make_indexed_dataset.py)")
+
+
+def is_dataset_built_on_rank(vp_stage: Optional[int] = None) -> bool:
+    """Every rank of the first and last pipeline stages reads its own batches (tensor-parallel ranks
+    of one data-parallel rank read the same samples), so no batch broadcast is needed."""
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    return is_first_or_last_pipeline_stage(vp_stage)
+
+
+def dataset_config(args: argparse.Namespace):
+    """Megatron's GPTDatasetConfig from its flags (as Megatron-LM's pretrain_gpt.py)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.training import get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage: Optional[int] = None):
+    """Blended GPT datasets with train/valid/test splits from the indexed ``.bin``/``.idx`` data."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+    from megatron.training import get_args, print_rank_0
+
+    args = get_args()
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = BlendedMegatronDatasetBuilder(
+        MockGPTDataset if args.mock_data else GPTDataset, train_val_test_num_samples,
+        partial(is_dataset_built_on_rank, vp_stage=vp_stage), dataset_config(args),
+    ).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+train_valid_test_datasets_provider.is_distributed = True  # every rank builds its own loader
+
+
+def get_batch(data_iterator, vp_stage: Optional[int] = None):
+    """This rank's micro-batch (nothing on middle pipeline stages), sliced for context parallelism."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if not is_dataset_built_on_rank(vp_stage):
+        return None, None, None, None, None
+    batch = next(data_iterator)
+    keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    batch = {key: batch[key].cuda(non_blocking=True) if batch.get(key) is not None else None for key in keys}
+    if parallel_state.get_context_parallel_world_size() > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+    return tuple(batch[key] for key in keys)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Summed masked per-token loss, its token count, and Megatron-LM's ``lm loss`` report."""
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+class _ForcedRouting:
+    """``--force-routing``: every MoE router's choices for a micro-batch, seeded by (iteration,
+    micro-batch, rank, layer) so that a resumed run forces the same routing; with
+    ``--llep-placement`` the chosen experts are sent to the slots the placement moved them to."""
+
+    def __init__(self) -> None:
+        self.iteration: Optional[int] = None
+        self.microbatch = 0
+        self.placement = None
+
+    def apply(self, model: torch.nn.Module, tokens: torch.Tensor, args: argparse.Namespace) -> None:
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        from megatron_llep.placement import ExpertPlacement
+        from megatron_llep.scenarios import force_routing, imbalanced_topk
+
+        if args.curr_iteration != self.iteration:
+            self.iteration, self.microbatch = args.curr_iteration, 0
+            self.placement = ExpertPlacement.load(args.llep_placement) if args.llep_placement else None
+        self.microbatch += 1
+        fraction, hot = args.force_routing
+        for layer in (m for m in model.modules() if isinstance(m, MoELayer)):
+            seed = (args.seed + 1_000_003 * self.iteration + 10_007 * self.microbatch
+                    + 1009 * torch.distributed.get_rank() + int(layer.layer_number))
+            ids = imbalanced_topk(tokens.numel(), args.num_experts, args.moe_router_topk, fraction, hot, seed=seed)
+            if self.placement is not None:  # the hot experts are the model's, wherever the placement put them
+                ids = self.placement.expert_to_slot(int(layer.layer_number))[ids]
+            force_routing(layer.router, ids)
+
+
+_FORCED_ROUTING = _ForcedRouting()
+
+
+def forward_step(data_iterator, model: torch.nn.Module):
+    """One micro-batch forward (Megatron-LM's ``forward_step``)."""
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_args, get_timers
+
+    args = get_args()
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    timers("batch-generator").stop()
+    if args.force_routing and tokens is not None:
+        _FORCED_ROUTING.apply(model, tokens, args)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Check the installation and the flags, then run ``megatron.training.pretrain``."""
+    from megatron_llep import megatron_lm
+    from megatron_llep.compat import megatron_training
+    from recipes.launch_env import rendezvous_env_from_slurm
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rendezvous_env_from_slurm()  # srun with one task per process: RANK, WORLD_SIZE, ... from SLURM_*
+        megatron_lm.precheck_llep_flags(argv)
+    except ValueError as err:
+        _fail(str(err))
+    reason = megatron_training.missing_reason()
+    if reason is not None:
+        _fail(f"{reason}; install megatron-core >= 0.18 to pretrain with Megatron-LM's loop")
+    if not torch.cuda.is_available():
+        from megatron_llep.compat import megatron_training_cpu
+
+        megatron_training_cpu.enable()
+        try:
+            cpu_argv = megatron_training_cpu.cpu_argv(argv)
+        except ValueError as err:
+            _fail(str(err))
+        if len(cpu_argv) > len(argv) and _rank() == 0:
+            print(f"{PREFIX} CPU run (gloo): added {' '.join(cpu_argv[len(argv):])}", flush=True)
+        argv = cpu_argv
+    sys.argv = [sys.argv[0], *argv]
+    try:
+        megatron_training.check_dataset_helpers()
+    except RuntimeError as err:
+        _fail(str(err))
+    megatron_training.use_dataset_helpers()
+
+    from megatron.training import set_startup_timestamps
+
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
+    # Megatron-LM's pretrain_gpt.py defaults, and an evaluation interval where 0.19 has none
+    args_defaults = {"tokenizer_type": "GPT2BPETokenizer", "eval_interval": 1000}
+    args = megatron_training.parse_and_validate_args(add_args, args_defaults)
+    try:
+        megatron_lm.check_llep_args(args)
+        check_args(args)
+    except ValueError as err:
+        _fail(str(err))
+    note = megatron_lm.note_when_idle(args)
+    if note and _rank() == 0:
+        print(f"{PREFIX} note: {note}", flush=True)
+    megatron_lm.install_llep_logging()
+    megatron_training.run_pretrain(args, train_valid_test_datasets_provider, megatron_lm.model_provider, forward_step)
+
+
+if __name__ == "__main__":
+    main()
