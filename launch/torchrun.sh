@@ -6,6 +6,8 @@ usage="usage: $(basename "$0") [-h] [recipes/finetune.py args...]
   env: NPROC_PER_NODE (GPU count, or 2 on CPU)  NNODES (1)  NODE_RANK (0)
        MASTER_ADDR (localhost)  MASTER_PORT (29500)  PYTHON (python)
        DISTRIBUTED_CONFIG: a distributed_config.env to source first (its values override the environment)
+       LLEP_ENTRY: finetune (default, recipes/finetune.py) or pretrain_gpt (recipes/pretrain_gpt.py:
+                   Megatron-LM's loop and flags, docs/pretrain.md)
   finetune.py's own options: python recipes/finetune.py -h"
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then echo "$usage"; exit 0; fi
 
@@ -16,6 +18,9 @@ if [[ -n ${DISTRIBUTED_CONFIG:-} ]]; then
     source "$DISTRIBUTED_CONFIG"
 fi
 source launch/env.sh
+entry=recipes/${LLEP_ENTRY:-finetune}.py
+[[ ${LLEP_ENTRY:-finetune} == @(finetune|pretrain_gpt) ]] || {
+    echo "$0: LLEP_ENTRY must be finetune or pretrain_gpt, got '$LLEP_ENTRY'" >&2; exit 2; }
 
 if (( LLEP_GPUS > 0 )); then : "${NPROC_PER_NODE:=$LLEP_GPUS}"; else : "${NPROC_PER_NODE:=2}"; fi
 : "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=29500}"
@@ -28,5 +33,6 @@ if (( NPROC_PER_NODE < 1 || NNODES < 1 || NODE_RANK >= NNODES )); then
     exit 2
 fi
 
-exec "${PYTHON:-python}" -m torch.distributed.run --nproc_per_node "$NPROC_PER_NODE" --nnodes "$NNODES" \
-    --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" recipes/finetune.py "$@"
+# launch/torchrun.py: torchrun itself, ending in one line (no traceback) on Ctrl-C/SIGTERM or a failed worker
+exec "${PYTHON:-python}" launch/torchrun.py --nproc_per_node "$NPROC_PER_NODE" --nnodes "$NNODES" \
+    --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$entry" "$@"

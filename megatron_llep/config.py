@@ -9,6 +9,19 @@ from typing import Optional
 from megatron_llep.cost_model import CostModel
 
 
+class LLEPConfigError(ValueError):
+    """A knob outside its domain. ``knob`` names the field, so a command line can name its own flag
+    instead (:meth:`for_flag`)."""
+
+    def __init__(self, knob: str, requirement: str, value: object) -> None:
+        self.knob, self.requirement, self.value = knob, requirement, value
+        super().__init__(f"LLEPConfig.{knob} {requirement}, got {value!r}")
+
+    def for_flag(self, flag: str) -> str:
+        """The same message naming ``flag`` (e.g. ``--llep-alpha``) instead of the field."""
+        return f"{flag} {self.requirement}, got {self.value!r}"
+
+
 @dataclass(frozen=True)
 class LLEPConfig:
     """Knobs of Least-Loaded Expert Parallelism (see SPEC section 1).
@@ -38,25 +51,21 @@ class LLEPConfig:
     record_stats: bool = True
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"LLEPConfig.alpha must be a finite number > 0 (capacity factor), got {self.alpha!r}")
-        if not isinstance(self.min_chunk_tokens, int) or isinstance(self.min_chunk_tokens, bool):
-            raise TypeError(f"LLEPConfig.min_chunk_tokens must be an int, got {self.min_chunk_tokens!r}")
-        if self.min_chunk_tokens < 0:
-            raise ValueError(f"LLEPConfig.min_chunk_tokens (m) must be >= 0, got {self.min_chunk_tokens}")
-        if not (
-            isinstance(self.imbalance_threshold, (int, float))
-            and math.isfinite(self.imbalance_threshold)
-            and self.imbalance_threshold >= 1.0
-        ):
-            raise ValueError(
-                "LLEPConfig.imbalance_threshold (lambda) must be >= 1.0 because max/mean rank load is "
-                f"never below 1; got {self.imbalance_threshold!r}"
-            )
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not (number(self.alpha) and self.alpha > 0):
+            raise LLEPConfigError("alpha", "must be a finite number > 0 (capacity factor)", self.alpha)
+        m = self.min_chunk_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise LLEPConfigError("min_chunk_tokens", "(m) must be an integer >= 0", self.min_chunk_tokens)
+        if not (number(self.imbalance_threshold) and self.imbalance_threshold >= 1.0):
+            raise LLEPConfigError("imbalance_threshold", "(lambda) must be >= 1.0 because max/mean rank load is never "
+                                  "below 1", self.imbalance_threshold)
         if self.ranks_per_node is not None and (
-            not isinstance(self.ranks_per_node, int) or self.ranks_per_node <= 0
+            not isinstance(self.ranks_per_node, int) or isinstance(self.ranks_per_node, bool) or self.ranks_per_node <= 0
         ):
-            raise ValueError(f"LLEPConfig.ranks_per_node must be a positive int or None, got {self.ranks_per_node!r}")
+            raise LLEPConfigError("ranks_per_node", "must be a positive integer (or None: one node)", self.ranks_per_node)
         if not isinstance(self.cost_model, CostModel):
             raise TypeError(f"LLEPConfig.cost_model must be a CostModel, got {type(self.cost_model).__name__}")
 

@@ -1,21 +1,36 @@
 """Checkpoint save/resume with Megatron's ``dist_checkpointing`` (model, distributed optimizer,
 LR scheduler, RNG, data position), laid out as Megatron-LM does::
 
-    <save>/iter_0000004/...                    one dist_checkpointing directory per save
-    <save>/latest_checkpointed_iteration.txt   the newest complete one
+    <save>/iter_0000004/...                                one dist_checkpointing directory per save
+    <save>/iter_0000004/checkpoint_manifest.json           its files' sizes and SHA-256, written last
+    <save>/latest_checkpointed_iteration.txt               the newest complete one
 
-A save is written to ``iter_XXXXXXX.tmp`` and renamed only after every rank finished, and the
-"latest" file is replaced atomically after that, so a run killed mid-save leaves the previous
-checkpoint intact. Resuming restores everything a step depends on: with the same world size the
-continued run is bitwise the run that never stopped.
+A save is written to ``iter_XXXXXXX.tmp``; after every rank finished, the ranks hash their own
+shards, rank 0 writes the manifest, renames the directory and only then replaces the "latest"
+file atomically, so a run killed mid-save leaves the previous checkpoint intact. Loading checks
+the manifest and falls back to the newest complete checkpoint, one line per skipped one (a
+truncated, corrupted or missing file, a garbage or dangling "latest" file). Resuming restores
+everything a step depends on: with the same world size the continued run is bitwise the run that
+never stopped.
+
+Checksums: neither dist_checkpointing nor torch.distributed.checkpoint records any (0.16-0.19,
+torch 2.13), so the manifest is ours: hashlib's SHA-256, streamed, each rank hashing the shards
+it wrote (about 1-2 GB/s per rank; ``verify="size"`` checks sizes only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import hashlib
+import json
 import os
+import re
 import shutil
+import signal
+import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,9 +38,19 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_llep.compat import mcore
 from megatron_llep.placement import ExpertPlacement, read_checkpoint_placement, write_checkpoint_placement
+from recipes import watchdog
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "checkpoint_manifest.json"
+MANIFEST_FORMAT = "megatron-llep checkpoint manifest 1"
+_NO_MANIFEST = f"no {MANIFEST_FILE} (a save that did not finish, or not written by recipes/checkpointing.py)"
+# torch.distributed.checkpoint's global metadata, written last by its coordinator: a manifest-less
+# checkpoint from before manifests existed is accepted only with it
+LEGACY_COMPLETE_MARK = ".metadata"
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
+_RANK_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist shard files: [prefix]__<writing rank>_<i>.distcp
 # Megatron-LM's default: distributed-optimizer state saved by every rank in parallel, reshardable
 # across data-parallel sizes
 SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -112,17 +137,276 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
     }
 
 
+def _say(message: str) -> None:
+    """A checkpoint problem worth one line, printed once (rank 0)."""
+    if dist.get_rank() == 0:
+        print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
+
+
+def _set_parent_death_signal(parent_pid: int) -> None:
+    """Make this (just forked) process receive SIGKILL when its parent dies (Linux prctl)."""
+    pr_set_pdeathsig = 1
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+    if prctl is None or prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # not Linux: nothing to arm, the process lives as before
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+_forks_die_with_parent = False
+_fork_parent_pid = 0
+
+
+def _after_fork_in_child() -> None:
+    if _forks_die_with_parent:
+        _set_parent_death_signal(_fork_parent_pid)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def writers_die_with_this_process() -> Iterator[None]:
+    """Inside the block, processes forked by this one (dist_checkpointing's shard writers in
+    Megatron-Core 0.16) die with it: a rank killed mid-save (kill -9, OOM killer) leaves no writer
+    behind. Linux ties the signal to the forking *thread*: use it where forks come from a thread
+    that lives as long as the process (a synchronous save forks from the calling thread)."""
+    global _forks_die_with_parent, _fork_parent_pid
+    _forks_die_with_parent, _fork_parent_pid = True, os.getpid()
+    try:
+        yield
+    finally:
+        _forks_die_with_parent = False
+
+
+def _checkpoint_files(directory: str) -> list[str]:
+    """Every file of a checkpoint directory but the manifest: sorted relative paths."""
+    files = []
+    for parent, _, names in os.walk(directory):
+        files += [os.path.relpath(os.path.join(parent, name), directory) for name in names]
+    return sorted(f for f in files if f != MANIFEST_FILE)
+
+
+def _checking_rank(relative_path: str, world: int) -> int:
+    """Who hashes a file: the rank that wrote a torch_dist shard (it is in that rank's page cache
+    right after a save, and the work is spread over all ranks), rank 0 the common files."""
+    match = _RANK_SHARD.search(os.path.basename(relative_path))
+    return int(match.group(1)) % world if match else 0
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all (a temporary file, fsync, rename, fsync of the directory)."""
+    temporary = path + ".tmp"
+    with open(temporary, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def write_manifest(directory: str, verify: str = "sha256") -> None:
+    """Record every file of a finished save in ``directory/checkpoint_manifest.json``: its size and
+    (``verify="sha256"``) SHA-256. Each rank hashes the shards it wrote; rank 0 writes the manifest,
+    last. Collective: call after every rank finished writing."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    listing = [_checkpoint_files(directory) if rank == 0 else None]
+    dist.broadcast_object_list(listing, src=0)
+    mine = {}
+    for name in listing[0]:
+        if _checking_rank(name, world) == rank:
+            path = os.path.join(directory, name)
+            mine[name] = {"size": os.path.getsize(path), **({"sha256": _sha256(path)} if verify == "sha256" else {})}
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if rank == 0:
+        files = dict(sorted((name, entry) for part in parts for name, entry in part.items()))
+        _write_atomically(os.path.join(directory, MANIFEST_FILE),
+                          json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1))
+
+
+def _read_manifest(directory: str) -> dict | str:
+    """The manifest's file table, or why there is none."""
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.isdir(directory):
+        return "the directory is missing"
+    if not os.path.isfile(path):
+        return _NO_MANIFEST
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return f"{MANIFEST_FILE} is unreadable ({err})"
+    files = manifest.get("files") if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else None
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and isinstance(e.get("size"), int)
+                                              for e in files.values()):
+        return f"{MANIFEST_FILE} is not a {MANIFEST_FORMAT}"
+    return files
+
+
+def _file_problem(directory: str, name: str, entry: dict, verify: str) -> Optional[str]:
+    path = os.path.join(directory, name)
+    try:
+        size = os.path.getsize(path)
+        if size != entry["size"]:
+            return f"{name} has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+        if verify == "sha256" and "sha256" in entry and _sha256(path) != entry["sha256"]:
+            return f"{name} does not match its SHA-256 in the manifest (corrupted)"
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as err:
+        return f"{name} is unreadable ({err.strerror})"
+    return None
+
+
+def verify_checkpoint(directory: str, verify: str = "sha256") -> Optional[str]:
+    """Why ``directory`` is not a complete checkpoint, or ``None`` if it is: its manifest missing or
+    unreadable, or a listed file missing, of another size or (``verify="sha256"``) content. Every
+    rank checks its share of the files; all return the same answer. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    manifest = [_read_manifest(directory) if rank == 0 else None]
+    dist.broadcast_object_list(manifest, src=0)
+    if isinstance(manifest[0], str):
+        if manifest[0] == _NO_MANIFEST and os.path.isfile(os.path.join(directory, LEGACY_COMPLETE_MARK)):
+            # written before checkpoints carried a manifest (saves are staged in .tmp and renamed
+            # only after it now, so an iter_* directory without one is older): keep it loadable
+            _say(f"{directory} has no {MANIFEST_FILE} (saved before checkpoints were verified): loading it unverified")
+            return None
+        return manifest[0]
+    problem = None
+    for name, entry in manifest[0].items():
+        if _checking_rank(name, world) == rank:
+            problem = _file_problem(directory, name, entry, verify)
+            if problem:
+                break
+    problems = [None] * world
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
+
+
+def _tracked_iteration(root: str) -> tuple[Optional[int], Optional[str]]:
+    """The iteration ``latest_checkpointed_iteration.txt`` names (None if absent or garbage), and
+    its text when that is not an iteration number."""
+    try:
+        with open(os.path.join(root, LATEST_FILE), "rb") as f:
+            raw = f.read(64)
+    except FileNotFoundError:
+        return None, None
+    except OSError as err:
+        return None, f"unreadable ({err.strerror})"
+    text = raw.decode("utf-8", "replace").strip()
+    return (int(text), None) if text.isdigit() else (None, f"holds {text!r}, not an iteration number")
+
+
+def _iterations_on_disk(root: str) -> list[int]:
+    """Iterations of the ``iter_*`` directories under ``root`` (staging ``.tmp`` ones excluded), newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = (_ITERATION_DIR.fullmatch(n) for n in names)
+    return sorted((int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root, m.group(0)))), reverse=True)
+
+
+def is_checkpoint_directory(path: str) -> bool:
+    """Whether ``path`` is one checkpoint (an ``iter_*`` directory), not a save root."""
+    return not os.path.exists(os.path.join(path, LATEST_FILE)) and (
+        _ITERATION_DIR.fullmatch(os.path.basename(os.path.normpath(path))) is not None
+        or os.path.isfile(os.path.join(path, "metadata.json")))
+
+
+def _candidates(root: str) -> tuple[list[int], list[str], Optional[str]]:
+    """Checkpoints to try under a save root (newest first), notes on its "latest" file, and why
+    there is nothing to try (``None``: nothing was ever saved there). The "latest" file decides
+    (users roll back by editing it); when it is garbage, dangling or absent, every ``iter_*``
+    directory is a candidate."""
+    on_disk = _iterations_on_disk(root)
+    tracked, garbage = _tracked_iteration(root)
+    latest = os.path.join(root, LATEST_FILE)
+    if tracked is not None and tracked in on_disk:
+        return [i for i in on_disk if i <= tracked], [], None
+    if garbage is not None:
+        problem = f"{latest} {garbage}"
+    elif tracked is not None:
+        problem = f"{latest} names iteration {tracked}, but {_iteration_dir(root, tracked)} is missing"
+    else:
+        problem = None if not on_disk else f"{root} has iter_* directories but no {LATEST_FILE}"
+    if not on_disk:
+        return [], [], problem and f"{problem}, and there is no iter_* directory"
+    return on_disk, [f"{problem}: using the newest complete iter_* directory instead"], None
+
+
+def find_checkpoint(path: str, verify: str = "sha256", allow_none: bool = False) -> Optional[str]:
+    """The verified checkpoint directory ``--load path`` resumes from. Collective.
+
+    ``path`` is a save root (its latest checkpoint; older ``iter_*`` directories are the fallback
+    when that one fails :func:`verify_checkpoint`, each skipped one reported in a line) or one
+    ``iter_*`` directory (no fallback). Raises :class:`CheckpointError` when nothing complete is
+    there; returns ``None`` instead when ``path`` holds no checkpoint at all and ``allow_none``
+    (the first run of a job that resumes from its own ``--save``)."""
+    if is_checkpoint_directory(path):
+        watchdog.progress(f"verifying {path}")
+        problem = verify_checkpoint(path, verify)
+        if problem:
+            raise CheckpointError(f"{path} is not a complete checkpoint: {problem}")
+        return path
+    scan = [_candidates(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(scan, src=0)
+    candidates, notes, nothing_to_try = scan[0]
+    if not candidates:
+        if nothing_to_try:
+            raise CheckpointError(f"no complete checkpoint under {path}: {nothing_to_try}")
+        if allow_none:
+            return None
+        raise CheckpointError(f"no checkpoint at {path!r} (neither {LATEST_FILE} nor a dist_checkpointing directory)")
+    for note in notes:
+        _say(note)
+    skipped = []
+    for position, iteration in enumerate(candidates):
+        directory = _iteration_dir(path, iteration)
+        watchdog.progress(f"verifying {directory}")
+        problem = verify_checkpoint(directory, verify)
+        if problem is None:
+            return directory
+        skipped.append(f"{os.path.basename(directory)}: {problem}")
+        if position + 1 < len(candidates):  # after the last one, the error says it all
+            _say(f"skipping {directory}: {problem}; falling back to an older checkpoint")
+    raise CheckpointError(f"no complete checkpoint under {path} ({'; '.join(skipped)}): move the damaged "
+                          "checkpoints away or point --load at another directory")
+
+
+def resolve_checkpoint(path: str, verify: str = "sha256") -> str:
+    """The verified checkpoint directory for ``--load path`` (see :func:`find_checkpoint`). Collective."""
+    return find_checkpoint(path, verify)
+
+
 def save_checkpoint(
     root: str, model, optimizer, scheduler, progress: TrainingProgress, run_info: dict[str, Any],
-    placement: Optional[ExpertPlacement] = None,
+    placement: Optional[ExpertPlacement] = None, verify: str = "sha256",
 ) -> str:
     """Save everything under ``root``; returns the checkpoint directory. Collective.
 
     A model placed with a CAP placement is saved in its physical expert order, with the placement
     recorded next to it (``expert_placement.json``; see :mod:`megatron_llep.placement.apply` for
-    restoring the original order)."""
+    restoring the original order). ``verify``: what the manifest records, ``"sha256"`` (sizes and
+    checksums) or ``"size"``."""
     final = _iteration_dir(root, progress.iteration)
     staging = final + ".tmp"
+    watchdog.progress(f"saving {final}")
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
@@ -136,44 +420,34 @@ def save_checkpoint(
         run_info=run_info,
         world_size=dist.get_world_size(),
     )
-    dist_checkpointing.save(state, staging)
+    mcore.collect_checkpoint_writes_in_process()
+    with writers_die_with_this_process():
+        dist_checkpointing.save(state, staging)
     dist.barrier()
+    if dist.get_rank() == 0 and placement is not None:
+        write_checkpoint_placement(staging, placement)
+    write_manifest(staging, verify)
     if dist.get_rank() == 0:
-        if placement is not None:
-            write_checkpoint_placement(staging, placement)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        latest_tmp = os.path.join(root, LATEST_FILE + ".tmp")
-        with open(latest_tmp, "w") as f:
-            f.write(str(progress.iteration))
-        os.replace(latest_tmp, os.path.join(root, LATEST_FILE))
+        _fsync_directory(root)
+        _write_atomically(os.path.join(root, LATEST_FILE), str(progress.iteration))
     dist.barrier()
     return final
 
 
-def resolve_checkpoint(path: str) -> str:
-    """The checkpoint directory for ``--load``: a save root (its latest checkpoint) or an
-    ``iter_*`` directory."""
-    latest = os.path.join(path, LATEST_FILE)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            return _iteration_dir(path, int(f.read().strip()))
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    raise CheckpointError(f"no checkpoint at {path!r} (neither {LATEST_FILE} nor a dist_checkpointing directory)")
-
-
 def load_checkpoint(
-    path: str, model, optimizer, scheduler, run_info: dict[str, Any], strict_keys: tuple[str, ...],
+    directory: str, model, optimizer, scheduler, run_info: dict[str, Any], strict_keys: tuple[str, ...],
     placement: Optional[ExpertPlacement] = None,
 ) -> TrainingProgress:
-    """Restore a checkpoint saved by :func:`save_checkpoint` into freshly built objects.
+    """Restore the checkpoint ``directory`` (from :func:`find_checkpoint`, which verified it) into
+    freshly built objects.
 
     ``strict_keys`` name the ``run_info`` entries that must match the saved run (model shape,
     sequence length, ...), and the model's expert placement must be the checkpoint's: resuming a
     different model fails with a message instead of loading mismatched tensors. Collective.
     """
-    directory = resolve_checkpoint(path)
+    watchdog.progress(f"loading {directory}")
     saved_placement = read_checkpoint_placement(directory)
     as_layers = lambda p: None if p is None else p.to_json()["layers"]  # noqa: E731
     if as_layers(saved_placement) != as_layers(placement):
@@ -200,10 +474,7 @@ def load_checkpoint(
     return TrainingProgress(iteration=int(common["iteration"]), consumed_samples=int(common["consumed_samples"]))
 
 
+
 def latest_iteration(root: str) -> Optional[int]:
-    """The newest complete checkpoint's iteration under ``root`` (``None`` if there is none)."""
-    latest = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        return int(f.read().strip())
+    """The iteration ``root``'s "latest" file names (``None`` if it is absent or not a number)."""
+    return _tracked_iteration(root)[0]

@@ -38,6 +38,7 @@ Without a chat template (and always with the byte tokenizer) every turn is ``"<r
 from __future__ import annotations
 
 import contextvars
+import codecs
 import datetime
 import json
 import os
@@ -86,7 +87,11 @@ class HuggingFaceTokenizer:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError as err:
             raise DataError(f"{path}: reading a Hugging Face tokenizer.json needs `pip install tokenizers`") from err
-        self._tok = _Tokenizer.from_file(path)
+        try:
+            self._tok = _Tokenizer.from_file(path)
+        except Exception as err:  # the tokenizers package raises a bare Exception for a malformed file
+            raise DataError(f"{path}: not a valid Hugging Face tokenizer.json ({_one_line(err)}); "
+                            "use the tokenizer.json the model was released with") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         # BOS/EOS frame prompt/response and text records; a chat model's tokenizer may lack a BOS
@@ -131,6 +136,49 @@ _TRACKING: contextvars.ContextVar = contextvars.ContextVar("llep_chat_generation
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
+
+
+def _json_type(value: object) -> str:
+    """A JSON value's kind as the file's author wrote it ("null", "a number", ...), for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else type(value).__name__
+
+
+def _decode_utf8(raw: bytes, path: str, first_line: int = 1) -> str:
+    """``raw`` (the file's text from line ``first_line`` on) as text; bytes that are not UTF-8 are
+    named by line and column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + raw.count(b"\n", 0, err.start)
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(f"{path}:{line}: byte 0x{raw[err.start]:02x} at column {column} is not UTF-8 text; "
+                        "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def _open_bytes(path: str, what: str):
+    """``path`` opened for reading bytes; a directory, a missing or an unreadable file are one-line errors."""
+    if os.path.isdir(path):
+        raise DataError(f"{what} {path} is a directory, not a file")
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise DataError(f"{what} not found: {path}") from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot read the {what} ({err.strerror})") from None
+
+
+def _read_text(path: str, what: str) -> str:
+    """A whole UTF-8 text file (a byte-order mark, as Windows editors write one, is dropped)."""
+    with _open_bytes(path, what) as f:
+        return _decode_utf8(f.read().removeprefix(codecs.BOM_UTF8), path)
 
 
 def _jinja_environment():
@@ -248,14 +296,14 @@ def _template_token(value: object) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def _read_json_object(path: str) -> dict:
+def _read_json_object(path: str, what: str) -> dict:
+    text = _read_text(path, what)
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"{path}: not a readable JSON file ({err})") from err
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
     if not isinstance(value, dict):
-        raise DataError(f"{path}: expected a JSON object, got {type(value).__name__}")
+        raise DataError(f"{path}: expected the {what} as a JSON object, got {_json_type(value)}")
     return value
 
 
@@ -266,11 +314,10 @@ def load_chat_template(directory: str) -> Optional[ChatTemplate]:
     ``{"name", "template"}`` of which ``default`` is used). Template variables: the special tokens of
     ``tokenizer_config.json`` (else ``special_tokens_map.json``)."""
     config_path = os.path.join(directory, "tokenizer_config.json")
-    config = _read_json_object(config_path) if os.path.isfile(config_path) else {}
+    config = _read_json_object(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            template, source = f.read(), jinja_path
+        template, source = _read_text(jinja_path, "chat template"), jinja_path
     else:
         template, source = config.get("chat_template"), config_path
         if isinstance(template, list):
@@ -281,9 +328,9 @@ def load_chat_template(directory: str) -> Optional[ChatTemplate]:
         if template is None:
             return None
         if not isinstance(template, str):
-            raise DataError(f"{config_path}: 'chat_template' must be a string, got {type(template).__name__}")
+            raise DataError(f"{config_path}: 'chat_template' must be a string, got {_json_type(template)}")
     special_map_path = os.path.join(directory, "special_tokens_map.json")
-    special_map = _read_json_object(special_map_path) if os.path.isfile(special_map_path) else {}
+    special_map = _read_json_object(special_map_path, "special tokens map") if os.path.isfile(special_map_path) else {}
     variables = {}
     for name in _TEMPLATE_TOKENS:
         value = _template_token(config.get(name))
@@ -303,7 +350,7 @@ def _check_messages(messages: object, where: str) -> list[dict]:
         if message["role"] not in CHAT_ROLES:
             raise DataError(f"{where}: messages[{i}] has role {message['role']!r}; use one of {', '.join(CHAT_ROLES)}")
         if not isinstance(message["content"], str):
-            raise DataError(f"{where}: messages[{i}].content must be a string, got {type(message['content']).__name__}")
+            raise DataError(f"{where}: messages[{i}].content must be a string, got {_json_type(message['content'])}")
     return messages
 
 
@@ -387,22 +434,37 @@ def _render_chat(tokenizer: HuggingFaceTokenizer, messages: list[dict], where: s
     return ids, mask.tolist()
 
 
+def _byte_tokenizer(spec: dict, path: str) -> ByteTokenizer:
+    """The byte tokenizer a ``{"type": "bytes"}`` file describes, its ids checked (256 bytes, then BOS/EOS)."""
+    specials = spec.get("special_tokens", {})
+    if not isinstance(specials, dict):
+        raise DataError(f"{path}: 'special_tokens' must be an object like {{\"bos\": 256, \"eos\": 257}}, "
+                        f"got {_json_type(specials)}")
+    values = {"special_tokens.bos": specials.get("bos", 256), "special_tokens.eos": specials.get("eos", 257),
+              "vocab_size": spec.get("vocab_size", 258)}
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 256:
+            raise DataError(f"{path}: '{name}' must be an integer >= 256 (ids 0..255 are the bytes), "
+                            f"got {_json_type(value)}")
+    bos, eos, vocab_size = values.values()
+    if bos == eos or max(bos, eos) >= vocab_size:
+        raise DataError(f"{path}: BOS {bos} and EOS {eos} must be distinct ids below 'vocab_size' {vocab_size}")
+    return ByteTokenizer(bos_id=bos, eos_id=eos, vocab_size=vocab_size)
+
+
 def load_tokenizer(path: str) -> Tokenizer:
     """The tokenizer stored at ``path`` (see the module docstring for the accepted formats)."""
     if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise DataError(f"tokenizer not found: the directory {path} has no tokenizer.json")
         path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise DataError(f"tokenizer not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"{path}: not a readable tokenizer JSON file ({err})") from err
+    spec = _read_json_object(path, "tokenizer")
     if spec.get("type") == "bytes":
-        specials = spec.get("special_tokens", {})
-        return ByteTokenizer(bos_id=int(specials.get("bos", 256)), eos_id=int(specials.get("eos", 257)),
-                             vocab_size=int(spec.get("vocab_size", 258)))
+        return _byte_tokenizer(spec, path)
     if "model" in spec:
+        if not isinstance(spec["model"], dict):
+            raise DataError(f"{path}: 'model' must be an object like {{\"type\": \"BPE\", \"vocab\": {{...}}, ...}}, "
+                            f"got {_json_type(spec['model'])}; use the tokenizer.json the model was released with")
         return HuggingFaceTokenizer(path, chat_template=load_chat_template(os.path.dirname(os.path.abspath(path))))
     raise DataError(f"{path}: neither a byte tokenizer ({{\"type\": \"bytes\"}}) nor a Hugging Face tokenizer.json")
 
@@ -419,7 +481,7 @@ def _tokenize_sample(row: dict, tokenizer: Tokenizer, where: str) -> tuple[list[
 
     def add(text: object, train: bool, field_name: str) -> None:
         if not isinstance(text, str):
-            raise DataError(f"{where}: field {field_name!r} must be a string, got {type(text).__name__}")
+            raise DataError(f"{where}: field {field_name!r} must be a string, got {_json_type(text)}")
         piece = tokenizer.encode(text)
         ids.extend(piece)
         mask.extend([train] * len(piece))
@@ -445,20 +507,23 @@ def _tokenize_sample(row: dict, tokenizer: Tokenizer, where: str) -> tuple[list[
 
 def read_sft_jsonl(path: str, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every record of a JSONL file tokenized; errors name the file and line."""
-    if not os.path.isfile(path):
-        raise DataError(f"data file not found: {path}")
+    if os.path.isdir(path):
+        inside = sorted(name for name in os.listdir(path) if name.endswith(".jsonl"))
+        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
+        raise DataError(f"data {path} is a directory, not a JSONL file: give one .jsonl file{hint}")
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with _open_bytes(path, "data file") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode_utf8(raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw, path, number)
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{where}: not valid JSON ({err.msg})") from err
+                raise DataError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                raise DataError(f"{where}: expected a JSON object, got {_json_type(row)}")
             ids, mask = _tokenize_sample(row, tokenizer, where)
             samples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
     if not samples:

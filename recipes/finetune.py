@@ -19,20 +19,57 @@ SIGTERM/SIGINT (e.g. slurm preemption) finish the current step, save (with --sav
 from __future__ import annotations
 
 import argparse
+import datetime
+import logging
 import math
 import os
 import signal
 import sys
+import tempfile
 import time
+import warnings
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_llep.config import LLEPConfig  # noqa: E402
+
+def _quiet_known_cpu_warnings() -> None:
+    """CPU runs only: drop the warnings Megatron-Core (0.16-0.19) and torch print on every CPU run that
+    ask nothing of the user (no Transformer Engine/Apex/absl, deprecated names inside Megatron's own
+    calls, the distributed optimizer's shard views seen through the CPU compatibility layer, LLEP's
+    MoELayer subclass unknown to TransformerLayer's kwargs table, 0.19's notes on GPTModel, DDP layouts,
+    async saves, single-process loads of a checkpoint's common state and experimental MIMO configs);
+    every other warning still shows."""
+    for message in (
+        r"Transformer Engine and Apex are not installed",
+        r"Apex is not installed\. Falling back to Torch Norm",
+        r"absl\.logging is not installed",
+        r"full scope is deprecated",
+        r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        r"`load_state_dict` is deprecated and will be removed",  # dist_checkpointing's torch strategy
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"The argument order of load has been changed",
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single",
+        r"MimoModelConfig is experimental",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+    for logger, prefix in (("megatron.core.transformer.transformer_layer", "Unknown MLP type"),
+                           ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+                           ("megatron.core.distributed.distributed_data_parallel",
+                            "DistributedDataParallel: full_param_layout not provided"),
+                           ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated")):
+        logging.getLogger(logger).addFilter(lambda record, prefix=prefix: not record.getMessage().startswith(prefix))
+
+
+if not torch.cuda.is_available():  # before the first Megatron-Core import, which warns at import time
+    _quiet_known_cpu_warnings()
+
+from megatron_llep.config import LLEPConfig, LLEPConfigError  # noqa: E402
 from megatron_llep.cost_model import CostModel  # noqa: E402
 from recipes import data as sft_data  # noqa: E402
 from recipes.models import RECIPES  # noqa: E402
@@ -42,8 +79,61 @@ RESUME_MUST_MATCH = ("recipe", "seq_length", "tensor_model_parallel_size", "pipe
                      "expert_model_parallel_size")
 
 
+# the LLEPConfig field each LLEP flag sets (its validation messages name the flag)
+LLEP_FLAGS = {"alpha": "--llep-alpha", "min_chunk_tokens": "--llep-min-chunk-tokens",
+              "imbalance_threshold": "--llep-imbalance-threshold", "ranks_per_node": "--ranks-per-node"}
+# numeric flags and their domains, checked before any process group or model exists
+POSITIVE = ("train_iters", "micro_batch_size", "global_batch_size", "seq_length", "lr", "log_interval",
+            "heatmap_interval", "trace_tokens_per_layer", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "expert_model_parallel_size", "save_interval", "exit_interval")
+NON_NEGATIVE = ("min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
+# seconds a rank other than 0 waits, after finding a usage error, for the launcher to end it once rank 0
+# (which finds the same error) has reported it; then it reports the error itself
+PEER_ERROR_GRACE_S = 30.0
+
+
+def launch_rank() -> int:
+    """This process's global rank before any process group exists (torchrun's RANK, srun's SLURM_PROCID)."""
+    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(value) if value.isdigit() else 0
+
+
+def wait_for_rank_zero_report() -> None:
+    """On ranks other than 0: give rank 0 time to report an error every rank found, so the job prints it
+    once (torchrun and ``srun --kill-on-bad-exit`` end this process when rank 0 exits)."""
+    if launch_rank() != 0:
+        time.sleep(PEER_ERROR_GRACE_S)
+
+
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors (usage and one line, exit 2) are printed once per job, by rank 0."""
+
+    def error(self, message: str) -> NoReturn:
+        wait_for_rank_zero_report()
+        super().error(message)
+
+
+def _unwritable(directory: str) -> Optional[str]:
+    """Why checkpoints or traces could not be written under ``directory`` (None: they can): tried
+    with a real file, which also catches read-only mounts and immutable directories."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{directory} is a file, not a directory"
+    existing = directory
+    while not os.path.exists(existing):  # the directory is created at the first save
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, so {directory} cannot be created"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".llep-write-test-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        return f"cannot write to {existing} ({err.strerror})"
+    return None
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = RankZeroArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--recipe", default="gpt-oss-tiny", choices=sorted(RECIPES))
     model.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
@@ -71,6 +161,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     train.add_argument("--weight-decay", type=float, default=0.01)
     train.add_argument("--clip-grad", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--memory-check", action=argparse.BooleanOptionalAction, default=True,
+                       help="refuse to start when the estimated parameter + gradient + optimizer memory per rank "
+                            "exceeds the memory available (GPU memory, or host memory shared by a node's ranks); "
+                            "--no-memory-check starts anyway")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -84,6 +178,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ckpt.add_argument("--exit-interval", type=int, default=None,
                       help="stop (and save, with --save) after an iteration divisible by this, e.g. a job time slice")
     ckpt.add_argument("--load", default=None, help="resume from this save directory (or one iter_* directory)")
+    ckpt.add_argument("--checkpoint-verify", choices=["sha256", "size"], default="sha256",
+                      help="what each checkpoint's manifest records and loading checks: every file's size and "
+                           "SHA-256 (each rank hashes its own shards), or sizes only (no read-back, for huge "
+                           "checkpoints); a damaged latest checkpoint falls back to the newest complete one")
+    ckpt.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
+                      help="end the job with a message when a rank makes no progress (a step, a save, a collective "
+                           "waiting for a stopped or dead rank) for this long; collectives time out 30 s (or half "
+                           "of it) later. Default 60 on CPU, 600 on GPU; 0 turns the watchdog off")
 
     log = parser.add_argument_group("logging")
     log.add_argument("--log-interval", type=int, default=1)
@@ -112,14 +214,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="demo/benchmark only: force a fraction F of tokens into H hot experts (Megatron router replay)",
     )
     args = parser.parse_args(argv)
-    positive = ("train_iters", "micro_batch_size", "seq_length", "log_interval", "heatmap_interval",
-                "trace_tokens_per_layer", "tensor_model_parallel_size", "pipeline_model_parallel_size")
-    for name in positive:
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("global_batch_size", "expert_model_parallel_size", "save_interval", "exit_interval"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for names, holds, domain in ((POSITIVE, lambda v: v > 0, "positive"), (NON_NEGATIVE, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and ((isinstance(value, float) and not math.isfinite(value)) or not holds(value)):
+                parser.error(f"--{name.replace('_', '-')} must be {domain}, got {value}")
+    if args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} exceeds --lr {args.lr}; the schedule decays from --lr down to --min-lr")
+    if args.seed >= 2**32:
+        parser.error(f"--seed must be below 2**32, got {args.seed}")
+    try:  # LLEPConfig's own rules, with the flag named
+        LLEPConfig(alpha=args.llep_alpha, imbalance_threshold=args.llep_imbalance_threshold,
+                   min_chunk_tokens=0 if args.llep_min_chunk_tokens is None else args.llep_min_chunk_tokens,
+                   ranks_per_node=args.ranks_per_node)
+    except LLEPConfigError as err:
+        parser.error(err.for_flag(LLEP_FLAGS[err.knob]))
+    if args.watchdog_timeout is not None and not (math.isfinite(args.watchdog_timeout) and args.watchdog_timeout >= 0):
+        parser.error(f"--watchdog-timeout must be >= 0 seconds (0: off), got {args.watchdog_timeout}")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
     if args.force_routing is not None:
@@ -130,10 +241,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--force-routing expects F:H (e.g. 0.9:1), got {args.force_routing!r}")
         if not 0.0 <= args.force_routing[0] <= 1.0 or args.force_routing[1] < 1:
             parser.error(f"--force-routing F:H needs 0 <= F <= 1 and H >= 1, got {args.force_routing}")
+        experts = None if args.hf_checkpoint else RECIPES[args.recipe]().config.num_moe_experts  # else: build() checks
+        if experts is not None and args.force_routing[1] > experts:
+            parser.error(f"--force-routing F:H: H = {args.force_routing[1]} hot experts, but {args.recipe} has {experts}")
     for path, what in ((args.data, "--data"), (args.tokenizer, "--tokenizer"), (args.placement, "--placement")):
         if path is not None and not os.path.exists(path):
             parser.error(f"{what}: {path} does not exist")
-    if args.load is not None and not os.path.isdir(args.load):
+        if path is not None and what != "--tokenizer" and os.path.isdir(path):
+            parser.error(f"{what}: {path} is a directory; give the file")
+    for directory, what in ((args.save, "--save"), (args.record_routing_trace, "--record-routing-trace")):
+        problem = directory and _unwritable(directory)
+        if problem:
+            parser.error(f"{what}: {problem}; give a writable directory")
+    # --load == --save with nothing there yet: the first run of a resumable job (train() says so)
+    load_is_save = args.load is not None and args.save is not None and \
+        os.path.realpath(args.load) == os.path.realpath(args.save)
+    if args.load is not None and not os.path.isdir(args.load) and not (load_is_save and not os.path.exists(args.load)):
         parser.error(f"--load: {args.load} is not a directory")
     if args.hf_checkpoint is not None:
         if not os.path.isdir(args.hf_checkpoint):
@@ -147,9 +270,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(timeout: Optional[datetime.timedelta] = None) -> tuple[int, int, torch.device]:
     """Process group from torchrun's (or slurm's) environment: NCCL on GPUs, gloo + the CPU
-    compatibility layer on CPU."""
+    compatibility layer on CPU. ``timeout``: how long a collective may wait (None: torch's default)."""
     from recipes.launch_env import rendezvous_env_from_slurm
 
     try:
@@ -162,13 +285,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", timeout=timeout)
         return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
     from megatron_llep.compat import cpu_gloo
 
     cpu_gloo.enable()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
 
@@ -176,9 +299,9 @@ class ConfigError(ValueError):
     """Parallel layout, batch or model settings that cannot work together."""
 
 
-def hf_config_for(args: argparse.Namespace) -> Optional[dict]:
+def hf_config_for(args: argparse.Namespace, checkpoint: Optional[str] = None) -> Optional[dict]:
     """The Hugging Face config.json the model's sizes come from: ``--hf-checkpoint``'s, else the one
-    recorded in the ``--load`` checkpoint by a run that started from one (None: the recipe's sizes)."""
+    recorded in the ``checkpoint`` resumed from by a run that started from one (None: the recipe's sizes)."""
     if args.hf_checkpoint:
         from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError
 
@@ -186,21 +309,15 @@ def hf_config_for(args: argparse.Namespace) -> Optional[dict]:
             return HFCheckpoint(args.hf_checkpoint).config
         except HFCheckpointError as err:
             raise ConfigError(f"--hf-checkpoint: {err}") from None
-    if args.load:
-        return saved_hf_config(args.load)
+    if checkpoint:
+        return saved_hf_config(checkpoint)
     return None
 
 
-def saved_hf_config(path: str) -> Optional[dict]:
-    """``run_info["hf_config"]`` of the checkpoint ``path`` resolves to (None if there is none)."""
+def saved_hf_config(directory: str) -> Optional[dict]:
+    """``run_info["hf_config"]`` of the checkpoint ``directory`` (None if there is none)."""
     from megatron.core import dist_checkpointing
 
-    from recipes import checkpointing
-
-    try:
-        directory = checkpointing.resolve_checkpoint(path)
-    except checkpointing.CheckpointError:
-        return None
     return dist_checkpointing.load_common_state_dict(directory).get("run_info", {}).get("hf_config")
 
 
@@ -291,6 +408,9 @@ def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device
         raise ConfigError(f"--seq-length {args.seq_length} exceeds {recipe.name}'s {recipe.max_sequence_length}")
     if args.force_routing and not recipe.config.moe_enable_routing_replay:
         raise ConfigError("--force-routing needs Megatron's router replay (moe_enable_routing_replay), on in CPU recipes")
+    if args.force_routing and args.force_routing[1] > recipe.config.num_moe_experts:
+        raise ConfigError(f"--force-routing F:H: H = {args.force_routing[1]} hot experts, but the model has "
+                          f"{recipe.config.num_moe_experts}")
     config = recipe.config
     _check_megatron_support(recipe, layout)
     config.calculate_per_token_loss = True  # exact per-token mean over micro-batches and DP ranks
@@ -424,8 +544,10 @@ def _llep_summary(metrics: dict[str, float]) -> str:
 def _save(args, model, optimizer, scheduler, progress, run_info: dict, placement, is_logger: bool) -> str:
     from recipes import checkpointing
 
+    _progress(dist.get_rank(), f"saving iteration {progress.iteration} to {args.save}")
     start = time.perf_counter()
-    directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement)
+    directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement,
+                                              verify=args.checkpoint_verify)
     if is_logger:
         print(f"[finetune] saved {directory} in {time.perf_counter() - start:.1f} s", flush=True)
     return directory
@@ -440,12 +562,41 @@ def _load_placement(path: str):
         raise ConfigError(f"--placement {path}: {err}") from None
 
 
-def _fail(err: Exception, rank: int) -> None:
-    """Bad input found on every rank alike: one message, exit status 2, no traceback."""
-    if rank == 0:
-        print(f"[finetune] error: {err}", file=sys.stderr, flush=True)
+def _fail(err: Exception, rank: int) -> NoReturn:
+    """Bad input found on every rank alike: one message (rank 0's), exit status 2, no traceback."""
+    wait_for_rank_zero_report()  # other ranks: the launcher ends them once rank 0 has printed and exited
+    print(f"[finetune] error: {err}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
     raise SystemExit(2)
+
+
+def _progress(rank: int, message: str) -> None:
+    """A line before a long phase (rank 0), so that a quiet minute is never a mystery; the phase is
+    also the watchdog's (every rank)."""
+    from recipes import watchdog
+
+    watchdog.progress(message)
+    if rank == 0:
+        print(f"[finetune] {message}", flush=True)
+
+
+def _check_memory(args: argparse.Namespace, layout: dict[str, int], device: torch.device, hf_config: Optional[dict]):
+    """The parameter + gradient + optimizer memory per rank (estimated before building), refused with
+    the numbers when it exceeds what the tightest rank has (``--no-memory-check``: only estimated)."""
+    from recipes import memory
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    recipe = make_recipe(args, hf_config, ep_size=layout["ep"], tp_size=layout["tp"], pp_size=layout["pp"], dtype=dtype,
+                         cpu=device.type == "cpu")
+    estimate = memory.estimate_training_memory(recipe, layout["tp"], layout["pp"], layout["ep"], layout["dp"], dtype)
+    if args.memory_check:
+        available = [None] * dist.get_world_size()  # every rank decides on the same numbers
+        dist.all_gather_object(available, memory.available_memory(device))
+        problem = memory.memory_shortfall(recipe.name, estimate, *min(available, key=lambda a: a[0] / a[1]))
+        if problem:
+            raise ConfigError(f"{problem}; use more ranks or nodes or a smaller recipe, or --no-memory-check to start "
+                              "anyway")
+    return estimate
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -454,23 +605,32 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from recipes import checkpointing, dashboard
+    from recipes import checkpointing, dashboard, watchdog
 
-    rank, world, device = init_distributed()
+    started = time.perf_counter()
+    timeout = args.watchdog_timeout
+    if timeout is None:
+        timeout = watchdog.default_timeout(torch.cuda.is_available())
+    rank, world, device = init_distributed(watchdog.collective_timeout(timeout) if timeout else None)
+    if timeout:
+        watchdog.Watchdog(timeout, rank, world).start()
     is_logger = rank == world - 1  # holds the last pipeline stage (and its loss)
     try:
+        resume_from = checkpointing.find_checkpoint(args.load, args.checkpoint_verify, allow_none=bool(
+            args.save and os.path.realpath(args.load) == os.path.realpath(args.save))) if args.load else None
+        _progress(rank, f"reading {args.data} (tokenizer {args.tokenizer})")
         tokenizer = sft_data.load_tokenizer(args.tokenizer)
         samples = sft_data.read_sft_jsonl(args.data, tokenizer)
         dataset = sft_data.PackedSFTDataset(samples, args.seq_length, seed=args.seed)
-        hf_config = hf_config_for(args)
+        hf_config = hf_config_for(args, resume_from)
         num_experts = make_recipe(args, hf_config, cpu=device.type == "cpu").config.num_moe_experts
         layout = parallel_layout(args, world, num_experts)
-    except (sft_data.DataError, ConfigError) as err:
+        estimate = _check_memory(args, layout, device, hf_config)
+    except (sft_data.DataError, ConfigError, checkpointing.CheckpointError) as err:
         _fail(err, rank)
-    # --load == --save with nothing saved yet is the first run of a resumable job: start fresh
-    first_run = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save) \
-        and checkpointing.latest_iteration(args.load) is None
-    resuming = bool(args.load and not first_run)
+    resuming = resume_from is not None
+    if args.load and not resuming:  # --load == --save with nothing saved yet: the first run of a resumable job
+        _progress(rank, f"nothing to resume in {args.load} yet: starting from scratch (later runs resume from it)")
 
     parallel_state.initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=layout["ep"],
                                              expert_tensor_parallel_size=1)
@@ -478,24 +638,36 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model_parallel_cuda_manual_seed(args.seed)
     try:
         placement = _load_placement(args.placement) if args.placement else None
+        _progress(rank, f"building {args.recipe}: about {estimate.parameters / 1e6:,.1f} M parameters and "
+                        f"{estimate.total_bytes / 2**30:,.2f} GiB with gradients and optimizer state per rank")
         recipe, model, optimizer, scheduler = build(args, layout, device, tokenizer.vocab_size, placement, hf_config,
                                                     import_hf=None if resuming else args.hf_checkpoint)
     except ConfigError as err:
         _fail(err, rank)
     config = recipe.config
     layers = _moe_layers(model)
+    if placement is not None:
+        _progress(rank, f"applied the expert placement {args.placement} to MoE layer(s) "
+                        f"{', '.join(map(str, sorted(placement.layers)))}")
+    if args.llep and layout["ep"] == 1:
+        _progress(rank, "LLEP has no work at EP=1 (every expert is on every rank): this runs as plain EP; "
+                        "use 2+ expert-parallel ranks for LLEP to balance")
 
     run_info = run_info_for(args, layout, world, hf_config)
     progress = checkpointing.TrainingProgress()
     if resuming:
+        _progress(rank, f"loading the checkpoint {resume_from}")
         try:
-            progress = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, run_info, RESUME_MUST_MATCH,
+            progress = checkpointing.load_checkpoint(resume_from, model, optimizer, scheduler, run_info, RESUME_MUST_MATCH,
                                                     placement)
         except checkpointing.CheckpointError as err:
             _fail(err, rank)
         if is_logger:
             print(f"[finetune] resumed from {args.load} at iteration {progress.iteration} "
                   f"({progress.consumed_samples} samples consumed)", flush=True)
+        if progress.iteration >= args.train_iters and is_logger:  # after the line above, from the same rank
+            print(f"[finetune] nothing left to do: the checkpoint is at iteration {progress.iteration} and "
+                  f"--train-iters is {args.train_iters}; raise --train-iters to train further", flush=True)
 
     recorder = None
     if args.record_routing_trace:
@@ -526,7 +698,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_step = layout["global_batch"] * args.seq_length
     last_loss = math.nan
     last_saved = None
+    first_iteration, loop_start = progress.iteration, time.perf_counter()
     while progress.iteration < args.train_iters:
+        watchdog.progress(f"step {progress.iteration + 1}")
         iterator = sft_data.micro_batches(dataset, progress.consumed_samples, args.micro_batch_size,
                                           parallel_state.get_data_parallel_rank(), layout["dp"])
         if device.type == "cuda":
@@ -551,7 +725,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if parallel_state.is_pipeline_last_stage():
             totals = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
             dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-            last_loss = float(totals[0] / totals[1].clamp(min=1))
+            last_loss = float(totals[0] / totals[1]) if totals[1] > 0 else math.nan
+            if totals[1] == 0 and is_logger:
+                print(f"[finetune] step {progress.iteration}: the global batch has no loss tokens (every label is "
+                      "masked, e.g. prompts longer than --seq-length): its loss is undefined (nan)", flush=True)
         if progress.iteration % args.log_interval == 0 or progress.iteration == args.train_iters:
             peak = torch.tensor([float(dashboard.peak_memory_bytes())], device=device)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -583,6 +760,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if is_logger and progress.iteration < args.train_iters:
                 print(f"[finetune] stopping at iteration {progress.iteration} of {args.train_iters}", flush=True)
             break
+    watchdog.progress("the end of the run")
     if args.save and progress.iteration != checkpointing.latest_iteration(args.save):
         last_saved = _save(args, model, optimizer, scheduler, progress, run_info, placement, is_logger)
     if recorder is not None:
@@ -595,7 +773,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                   f"megatron_llep.placement plan {args.record_routing_trace}/trace_rank*.npz --ep-size {layout['ep']} "
                   f"--out placement.json", flush=True)
     wandb_board.finish()
+    if is_logger:
+        steps = progress.iteration - first_iteration
+        saved = f"saved in {last_saved}" if last_saved else f"nothing new saved in {args.save}" if args.save else \
+            "not saved (no --save)"
+        print(f"[finetune] done: {steps} step(s) this run, now at iteration {progress.iteration}/{args.train_iters}, "
+              f"{steps * tokens_per_step:,} tokens in {time.perf_counter() - loop_start:.1f} s "
+              f"({time.perf_counter() - started:.1f} s with start-up), final loss {last_loss:.4f}, {saved}", flush=True)
     summary = dict(iteration=progress.iteration, loss=last_loss, checkpoint=last_saved, wandb_dir=wandb_board.run_dir)
+    watchdog.stop()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return summary

@@ -2,9 +2,11 @@
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -171,6 +173,47 @@ def test_torchrun_sh_usage_and_bad_input():
     assert proc.returncode == 2 and "is not a file" in proc.stderr
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_torchrun_sh_ends_a_stopped_run_in_one_line(how, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) or SIGTERM to the launcher: the workers save and
+    stop, and the launcher ends with one line and 128 + the signal, not torchrun's traceback."""
+    sig = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, MASTER_PORT=_free_port())
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(["launch/torchrun.sh", *FINETUNE_ARGS[2:], "--train-iters", "100000", "--save",
+                                 str(ckpt)], cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "[finetune] step 2/" not in out_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.05)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = err_path.read_text()
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert f"[torchrun] stopped by {sig.name}" in err.splitlines()[-1]
+    assert "Traceback" not in err, err[-3000:]
+    iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert iteration >= 2 and (ckpt / f"iter_{iteration:07d}" / "checkpoint_manifest.json").is_file()
+    assert f"stopping at iteration {iteration} of 100000" in out_path.read_text()
+
+
+def test_torchrun_sh_reports_a_failed_worker_in_one_line():
+    proc = _run(["launch/torchrun.sh", *FINETUNE_ARGS, "--global-batch-size", "3"], env={"MASTER_PORT": _free_port()})
+    assert proc.returncode == 2, proc.stderr[-3000:]  # the worker's usage-error status, not torchrun's 1
+    assert "not a multiple of micro batch x DP" in proc.stderr
+    assert "[torchrun] rank 0 (pid" in proc.stderr and "exited with status 2" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_torchrun_sh_trains_on_two_cpu_ranks(tmp_path):
     # the sourced config file overrides the environment: without it the bad port would be rejected
     config = tmp_path / "distributed_config.env"
@@ -196,12 +239,27 @@ def local_slurm(tmp_path_factory):
         _run(["launch/local_slurm/stop.sh", str(cluster)], timeout=60)
 
 
-def _sbatch(local_slurm, mode, ntasks_per_node):
+def test_sbatch_header_fits_any_node_and_logs_into_ignored_logs_dir():
+    """torchrun mode's defaults: one task per node (torchrun starts the processes), not 8 tasks that
+    a smaller node never grants; job logs in logs/, which exists (sbatch does not create it) and
+    whose contents git ignores."""
+    with open(os.path.join(ROOT, "launch", "slurm.sbatch")) as f:
+        options = (line.split()[1][2:].partition("=") for line in f if line.startswith("#SBATCH --"))
+        header = {name: value for name, _, value in options}
+    assert header["ntasks-per-node"] == "1" and header["nodes"] == "1"
+    assert header["output"] == "logs/%x-%j.log" and os.path.isdir(os.path.join(ROOT, "logs"))
+    if shutil.which("git") and os.path.isdir(os.path.join(ROOT, ".git")):
+        ignored = subprocess.run(["git", "check-ignore", "-q", "logs/llep-finetune-1.log"], cwd=ROOT)
+        kept = subprocess.run(["git", "check-ignore", "-q", "logs/.gitkeep"], cwd=ROOT)
+        assert ignored.returncode == 0 and kept.returncode == 1
+
+
+def _sbatch(local_slurm, mode, ntasks_per_node=None):
     env, cluster = local_slurm
     log = cluster / f"{mode}.log"
     # --time: Slurm itself ends a hung job, so sbatch --wait returns and the log explains
-    cmd = ["sbatch", "--wait", "--time=2", f"--ntasks-per-node={ntasks_per_node}", f"--output={log}",
-           "launch/slurm.sbatch", *FINETUNE_ARGS]
+    tasks = [] if ntasks_per_node is None else [f"--ntasks-per-node={ntasks_per_node}"]  # None: the header's
+    cmd = ["sbatch", "--wait", "--time=2", *tasks, f"--output={log}", "launch/slurm.sbatch", *FINETUNE_ARGS]
     try:
         proc = _run(cmd, env=dict(env, LAUNCH_MODE=mode, MASTER_PORT=_free_port()), timeout=150)
     except subprocess.TimeoutExpired:
@@ -214,7 +272,7 @@ def _sbatch(local_slurm, mode, ntasks_per_node):
 
 
 def test_sbatch_torchrun_mode_one_task_two_processes(local_slurm):
-    _sbatch(local_slurm, "torchrun", 1)
+    _sbatch(local_slurm, "torchrun")  # the header's task count
 
 
 def test_sbatch_per_task_mode_two_tasks(local_slurm):

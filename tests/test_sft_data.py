@@ -424,8 +424,8 @@ def test_byte_tokenizer_and_template_less_tokenizers_keep_the_simple_format(tmp_
     "messages, message",
     [
         ([{"role": "bot", "content": "x"}], ":1: messages[0] has role 'bot'; use one of system, developer, user, assistant, tool"),
-        ([{"role": "user", "content": ["x"]}], ":1: messages[0].content must be a string, got list"),
-        ([{"role": "user", "content": None}], ":1: messages[0].content must be a string, got NoneType"),
+        ([{"role": "user", "content": ["x"]}], ":1: messages[0].content must be a string, got an array"),
+        ([{"role": "user", "content": None}], ":1: messages[0].content must be a string, got null"),
         ([{"role": 3, "content": "x"}], ":1: messages[0] has role 3; use one of"),
     ],
 )

@@ -12,6 +12,9 @@ What differs (docs/compat.md has the full table):
   all-to-all) from 0.18 on;
 * ``cuda_graph_scope`` (``CudaGraphScope``) became ``cuda_graph_modules`` (``CudaGraphModule``)
   in 0.18.
+* ``dist_checkpointing`` writes a rank's shards from forked processes in 0.16 and from threads
+  in 0.19; both return the results through a Manager process (see
+  :func:`collect_checkpoint_writes_in_process`).
 """
 
 from __future__ import annotations
@@ -143,6 +146,22 @@ def shared_experts_wait_current_stream(shared_experts: Any) -> None:
     wait = getattr(shared_experts, "wait_current_stream", None)
     if wait is not None:
         wait()
+
+
+def collect_checkpoint_writes_in_process() -> None:
+    """Let ``dist_checkpointing.save`` (synchronous) hand its write results back in-process.
+
+    Megatron-Core 0.16-0.19 collect them through a ``multiprocessing.Manager`` queue made on a
+    rank's first save (``filesystem_async._results_queue``): a spawned server process that
+    re-imports the main script (~330 MB) and outlives a rank killed with SIGKILL. A synchronous
+    save runs the writer function in the calling process, so a plain queue is enough; asynchronous
+    saves (not used here) need Megatron's own. Idempotent; call before the first save."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def finish_param_sync(module: Any) -> None:

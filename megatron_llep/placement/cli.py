@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
+import tempfile
+import zipfile
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -22,7 +26,7 @@ import numpy as np
 from megatron_llep.placement.cap import SpectrumPoint, plan_trace
 from megatron_llep.placement.metrics import Topology
 from megatron_llep.placement.placement import experts_per_rank
-from megatron_llep.placement.trace import RoutingTrace, load_traces, synthetic_trace
+from megatron_llep.placement.trace import RoutingTrace, load_traces, merge_traces, synthetic_trace
 
 _SUMMARY_COLUMNS = (
     ("layer", "layer", "d"), ("tokens", "tokens", "d"), ("comm_cost_sequential", "C seq", ".1f"),
@@ -31,6 +35,77 @@ _SUMMARY_COLUMNS = (
     ("devices_per_token_sequential", "dev/tok seq", ".2f"), ("devices_per_token", "dev/tok chosen", ".2f"),
     ("spectrum_step", "step", "d"), ("spectrum_points", "points", "d"),
 )
+
+
+def _integer(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _number(low: float, high: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number in ``[low, high]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            bounds = f"within [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+def _input_problem(path: str) -> Optional[str]:
+    if not os.path.exists(path):
+        return f"{path}: no such file"
+    if os.path.isdir(path):
+        return f"{path} is a directory; give the trace files (e.g. DIR/trace_rank*.npz)"
+    if not path.endswith(".jsonl") and not zipfile.is_zipfile(path):
+        return f"{path}: not a routing trace file (not an .npz archive: truncated, or another format)"
+    return None
+
+
+def _output_problem(path: str) -> Optional[str]:
+    """Why ``path`` could not be written (None: it can), found before minutes of planning."""
+    if os.path.isdir(path):
+        return f"{path} is a directory; give a file name"
+    existing = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(existing):  # created when the file is written
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, so {path} cannot be created"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".placement-write-test-", dir=existing)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        return f"cannot write to {existing} ({err.strerror})"
+    return None
+
+
+def _load_trace_files(paths: Sequence[str], num_experts: Optional[int]) -> RoutingTrace:
+    """The merged traces; a file that cannot be read is named in the error."""
+    traces = []
+    for path in paths:
+        try:
+            traces.append(load_traces([path], num_experts))
+        except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as err:
+            message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+            raise ValueError(message if message.startswith(path) else f"{path}: {message}") from None
+    return merge_traces(traces)
 
 
 def _load_profile(spec: str) -> Callable[[int, SpectrumPoint], float]:
@@ -49,7 +124,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    trace = load_traces(args.traces, args.num_experts)
+    trace = _load_trace_files(args.traces, args.num_experts)
     if args.layers:
         trace = RoutingTrace(trace.num_experts, trace.topk, {n: trace.layer(n) for n in args.layers},
                              trace.max_tokens_per_layer, trace.sampling, trace.sources)
@@ -91,40 +166,61 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="routing trace file(s) -> placement JSON")
     plan.add_argument("traces", nargs="+",
                       help=".npz trace files (e.g. one per rank), or Megatron-Core 0.19 router-trace .jsonl files; merged")
-    plan.add_argument("--num-experts", type=int, default=None,
+    plan.add_argument("--num-experts", type=_integer(1), default=None,
                       help="experts per MoE layer (needed for Megatron .jsonl router traces, which do not record it)")
-    plan.add_argument("--ep-size", type=int, required=True, help="expert-parallel size P")
-    plan.add_argument("--gpus-per-node", type=int, default=None, help="EP ranks per node (default: one node)")
-    plan.add_argument("--cross-node-cost", type=float, default=5.0, help="distance c between nodes (1 inside a node)")
+    plan.add_argument("--ep-size", type=_integer(1), required=True, help="expert-parallel size P")
+    plan.add_argument("--gpus-per-node", type=_integer(1), default=None, help="EP ranks per node (default: one node)")
+    plan.add_argument("--cross-node-cost", type=_number(1.0), default=5.0, help="distance c between nodes (1 inside a node)")
     select = plan.add_mutually_exclusive_group()
-    select.add_argument("--lambda", dest="lam", type=float, default=0.5,
+    select.add_argument("--lambda", dest="lam", type=_number(0.0, 1.0), default=0.5,
                         help="weight of normalised C against normalised B (1: comm-optimal, 0: most balanced)")
     select.add_argument("--profile", default=None, help="module:function scoring (layer, SpectrumPoint); lowest wins")
-    plan.add_argument("--spectrum-steps", type=int, default=None, help="max swap steps (default 2 x movable units)")
-    plan.add_argument("--max-evaluations", type=int, default=None, help="points scored by --profile (default all)")
-    plan.add_argument("--routing-groups", type=int, default=1, help="moe_router_num_groups of the model (group-limited routing)")
-    plan.add_argument("--layers", type=int, nargs="+", default=None, help="only these MoE layer numbers")
+    plan.add_argument("--spectrum-steps", type=_integer(0), default=None, help="max swap steps (default 2 x movable units)")
+    plan.add_argument("--max-evaluations", type=_integer(1), default=None, help="points scored by --profile (default all)")
+    plan.add_argument("--routing-groups", type=_integer(1), default=1, help="moe_router_num_groups of the model (group-limited routing)")
+    plan.add_argument("--layers", type=_integer(1), nargs="+", default=None, help="only these MoE layer numbers")
     plan.add_argument("--out", "-o", required=True, help="placement JSON to write")
     plan.set_defaults(run=_plan)
     synth = sub.add_parser("synthetic", help="write a synthetic trace with planted co-activation clusters")
     synth.add_argument("out")
-    synth.add_argument("--experts", type=int, required=True)
-    synth.add_argument("--topk", type=int, required=True)
-    synth.add_argument("--tokens", type=int, default=16384)
-    synth.add_argument("--clusters", type=int, required=True)
-    synth.add_argument("--affinity", type=float, default=0.8, help="q: chance a pick lies in the token's cluster")
-    synth.add_argument("--skew", type=float, default=0.0, help="load skew (popularity exponent)")
-    synth.add_argument("--layers", type=int, nargs="+", default=[1])
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--experts", type=_integer(1), required=True)
+    synth.add_argument("--topk", type=_integer(1), required=True)
+    synth.add_argument("--tokens", type=_integer(1), default=16384)
+    synth.add_argument("--clusters", type=_integer(1), required=True)
+    synth.add_argument("--affinity", type=_number(0.0, 1.0), default=0.8, help="q: chance a pick lies in the token's cluster")
+    synth.add_argument("--skew", type=_number(0.0), default=0.0, help="load skew (popularity exponent)")
+    synth.add_argument("--layers", type=_integer(1), nargs="+", default=[1])
+    synth.add_argument("--seed", type=_integer(0), default=0)
     synth.set_defaults(run=_synthetic)
     return parser
+
+
+def _check_files_and_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors argparse's types cannot see (several flags together, files), before any work."""
+    if args.command == "synthetic":
+        if args.topk > args.experts:
+            parser.error(f"--topk {args.topk} exceeds --experts {args.experts}")
+        if args.experts % args.clusters:
+            parser.error(f"--clusters {args.clusters} must divide --experts {args.experts}")
+    else:
+        for path in args.traces:
+            problem = _input_problem(path)
+            if problem:
+                parser.error(problem)
+        if args.num_experts is not None and args.ep_size > args.num_experts:
+            parser.error(f"--ep-size {args.ep_size} exceeds --num-experts {args.num_experts}")
+    problem = _output_problem(args.out)
+    if problem:
+        parser.error(f"{'--out' if args.command == 'plan' else 'out'}: {problem}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_files_and_sizes(parser, args)
     try:
         args.run(args)
     except (ValueError, KeyError, OSError, ImportError, AttributeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
