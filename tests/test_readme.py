@@ -17,7 +17,7 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     commands = _setup_commands()
     assert len(commands) == 2, commands
     main_job, tests = commands
-    assert "torch.distributed.run --nproc_per_node 2" in main_job
+    assert "launch/torchrun.py --nproc_per_node 2 recipes/finetune.py" in main_job  # torchrun, one-line failures
     assert "pytest" in tests
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert tests in ci
