@@ -69,8 +69,8 @@ class _RowPermutation:
 
     def __init__(self, chunk_sizes: np.ndarray, chunk_order: np.ndarray, device: torch.device) -> None:
         total = int(chunk_sizes.sum())
-        sizes = torch.from_numpy(np.ascontiguousarray(chunk_sizes, dtype=np.int64)).to(device, non_blocking=True)
-        order = torch.from_numpy(np.ascontiguousarray(chunk_order, dtype=np.int64)).to(device, non_blocking=True)
+        packed = torch.from_numpy(np.concatenate([chunk_sizes, chunk_order]).astype(np.int64))
+        sizes, order = packed.to(device, non_blocking=True).split([chunk_sizes.size, chunk_order.size])  # one copy
         source_starts = torch.cumsum(sizes, 0) - sizes
         new_sizes = sizes.index_select(0, order)
         new_starts = torch.cumsum(new_sizes, 0) - new_sizes
@@ -114,9 +114,10 @@ class _SendColumns:
         starts = np.cumsum(send, axis=1) - send  # a chunk's first row within its expert's tokens
         e, d = expert[split_columns], dst[split_columns]
         host = [expert, split_experts, split_columns, np.searchsorted(split_experts, e), starts[e, d], starts[e, d] + send[e, d]]
-        (self.expert, self.split_experts, self.split_columns, self.split_of_column, self.lo, self.hi) = [
-            torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True) for a in host
-        ]
+        # one host-to-device copy, then views
+        packed = torch.from_numpy(np.concatenate(host).astype(np.int64)).to(device, non_blocking=True)
+        (self.expert, self.split_experts, self.split_columns, self.split_of_column, self.lo, self.hi) = packed.split(
+            [a.size for a in host])
 
     def apply(self, routing_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``[tokens, columns]`` routing map and probabilities for Megatron's permute."""
