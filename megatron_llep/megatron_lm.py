@@ -15,7 +15,7 @@ Megatron-LM's ``pretrain_gpt.py`` with them):
   fine-tuning dashboard uses, ``moe/layer_<n>/<statistic>``), with one line next to its iteration line.
 
 It lives in the library (not in ``recipes/``) so that any Megatron-LM script can import it once
-megatron-llep is installed. Needs ``megatron.training`` as megatron-core 0.18+ ships it.
+megatron-llep is installed. Needs ``megatron.training`` as megatron-core 0.17+ ships it.
 """
 
 from __future__ import annotations

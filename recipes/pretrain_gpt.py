@@ -5,7 +5,7 @@ schedules, checkpoints, TensorBoard/wandb logging) on Megatron's indexed dataset
 (``GPTDataset`` built by ``BlendedMegatronDatasetBuilder`` from ``.bin``/``.idx`` prefixes, blended,
 with train/valid/test splits), plus the plugin :mod:`megatron_llep.megatron_lm`: ``--llep`` and the
 ``--llep-*`` flags, ``--llep-placement``, and per-layer LLEP statistics at ``--log-interval``.
-Needs megatron-core >= 0.18 (``megatron.training``). See docs/pretrain.md.
+Needs megatron-core >= 0.17 (``megatron.training``). See docs/pretrain.md.
 
 CPU (gloo, 2 ranks; the flags a CPU run needs are added)::
 
@@ -142,7 +142,8 @@ train_valid_test_datasets_provider.is_distributed = True  # every rank builds it
 def get_batch(data_iterator, vp_stage: Optional[int] = None):
     """This rank's micro-batch (nothing on middle pipeline stages), sliced for context parallelism."""
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_llep.compat.megatron_training import batch_on_this_cp_rank
 
     if not is_dataset_built_on_rank(vp_stage):
         return None, None, None, None, None
@@ -150,7 +151,7 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None):
     keys = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
     batch = {key: batch[key].cuda(non_blocking=True) if batch.get(key) is not None else None for key in keys}
     if parallel_state.get_context_parallel_world_size() > 1:
-        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+        batch = batch_on_this_cp_rank(batch, parallel_state.get_context_parallel_group())
     return tuple(batch[key] for key in keys)
 
 
@@ -227,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _fail(str(err))
     reason = megatron_training.missing_reason()
     if reason is not None:
-        _fail(f"{reason}; install megatron-core >= 0.18 to pretrain with Megatron-LM's loop")
+        _fail(f"{reason}; install megatron-core >= 0.17 to pretrain with Megatron-LM's loop")
     if not torch.cuda.is_available():
         from megatron_llep.compat import megatron_training_cpu
 
@@ -251,7 +252,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     # Megatron-LM's pretrain_gpt.py defaults, and an evaluation interval where 0.19 has none
     args_defaults = {"tokenizer_type": "GPT2BPETokenizer", "eval_interval": 1000}
-    args = megatron_training.parse_and_validate_args(add_args, args_defaults)
+    megatron_lm.install_llep_logging()
+    megatron_training.run_pretrain(add_args, args_defaults, _check_parsed_args, train_valid_test_datasets_provider,
+                                   megatron_lm.model_provider, forward_step)
+
+
+def _check_parsed_args(args: argparse.Namespace) -> None:
+    """LLEP's and this script's checks on Megatron-LM's parsed arguments (a usage error ends the
+    run), and the note when ``--llep`` has nothing to do."""
+    from megatron_llep import megatron_lm
+
     try:
         megatron_lm.check_llep_args(args)
         check_args(args)
@@ -260,8 +270,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     note = megatron_lm.note_when_idle(args)
     if note and _rank() == 0:
         print(f"{PREFIX} note: {note}", flush=True)
-    megatron_lm.install_llep_logging()
-    megatron_training.run_pretrain(args, train_valid_test_datasets_provider, megatron_lm.model_provider, forward_step)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def main(out_dir: str, spec_path: str) -> None:
     from megatron_llep.compat import megatron_training
 
     reason = megatron_training.missing_reason()
-    if reason is not None:  # e.g. megatron-core 0.17: the test skips with this reason
+    if reason is not None:  # e.g. megatron.training does not import: the test skips with this reason
         with open(os.path.join(out_dir, "skip.txt"), "w") as f:
             f.write(reason)
         return

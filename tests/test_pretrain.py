@@ -3,7 +3,7 @@ plus the megatron_llep.megatron_lm plugin) on CPU, gloo, 2 ranks, a tiny GPT MoE
 indexed dataset built here: LLEP and plain EP give the same losses and grad norms under forced
 imbalance while LLEP really spills (statistics read back from Megatron-LM's writers, wandb
 included); a broken LLEP mapping fails that comparison; resuming from a checkpoint continues
-exactly. Needs megatron.training (megatron-core >= 0.18); the 0.16 wheels have none: there the
+exactly. Needs megatron.training (megatron-core >= 0.17); the 0.16 wheels have none: there the
 entry point must refuse in one line."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ BYTE_TOKENIZER = os.path.join(ROOT, "recipes", "data", "byte_tokenizer.json")
 HAVE_MEGATRON_TRAINING = importlib.util.find_spec("megatron.training") is not None
 needs_megatron_training = pytest.mark.skipif(
     not HAVE_MEGATRON_TRAINING,
-    reason="megatron.training (Megatron-LM's loop) is not in this megatron-core wheel (0.18+ ship the one needed)")
+    reason="megatron.training (Megatron-LM's loop) is not in this megatron-core wheel (0.17+ ship it)")
 
 ITERS = 4
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
@@ -190,7 +190,7 @@ def test_entry_point_refuses_in_one_line_without_megatron_training():
                           timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "megatron.training" in lines[0] and "megatron-core >= 0.18" in lines[0], proc.stderr
+    assert len(lines) == 1 and "megatron.training" in lines[0] and "megatron-core >= 0.17" in lines[0], proc.stderr
 
 
 def _llep_flags(*argv: str) -> argparse.Namespace:
@@ -255,6 +255,21 @@ def test_launcher_starts_pretrain_gpt_and_a_usage_error_is_one_line():
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("[pretrain_gpt] error:")]
     assert len(errors) == 1 and "--llep-alpha must be a finite number > 0" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@needs_megatron_training
+def test_a_usage_error_found_after_megatron_parses_is_one_line(tmp_path):
+    """A flag only Megatron-LM's parsed arguments can check (a data prefix without its files) is
+    refused in one line, exit status 2, no traceback, before the process group starts."""
+    missing = str(tmp_path / "missing_text_document")
+    proc = subprocess.run([sys.executable, ENTRY, *MODEL, *TRAINING, "--expert-model-parallel-size", "1",
+                           "--train-iters", "2", "--data-path", missing], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("[pretrain_gpt] error:")]
+    assert errors == [f"[pretrain_gpt] error: data prefix {missing}: {missing}.bin does not exist "
+                      "(build one with recipes/make_indexed_dataset.py)"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 

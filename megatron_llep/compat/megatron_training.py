@@ -4,12 +4,15 @@
 (:func:`missing_reason`). What differs between the releases, and between them and this project's
 Python 3.11 CI (which runs 0.19's Python sources over a 0.16 install), lives here:
 
-* ``pretrain()``: 0.17 parses the command line itself, inside, after the process group is up, so
-  flags cannot be checked before anything starts: not supported (:func:`missing_reason` says so).
-  0.18 takes a ``PretrainConfigContainer`` (built from the parsed arguments) first and the model
+* ``pretrain()``: 0.17 parses the command line itself, inside ``initialize_megatron``, from an
+  ``extra_args_provider`` and ``args_defaults``; the checks of the parsed arguments then run there,
+  right before Megatron-LM sets its global arguments and starts the process group. 0.18 takes a
+  ``PretrainConfigContainer`` (built from the arguments parsed beforehand) first and the model
   provider positionally; 0.19 takes the model provider as a keyword (or a model config inside the
   container). :func:`run_pretrain` calls each the way it expects, told apart by ``pretrain``'s own
   signature.
+* ``get_batch_on_this_cp_rank``: 0.18+ require ``is_hybrid_cp``, 0.17 has no such parameter
+  (:func:`batch_on_this_cp_rank`).
 * ``typing.override`` (Python 3.12) is used by 0.18+'s ``megatron.training``: aliased to
   ``typing_extensions.override`` on 3.11.
 * The wheels ship the dataset index helper (``megatron/core/datasets/helpers_cpp``) compiled for one
@@ -22,6 +25,8 @@ Python 3.11 CI (which runs 0.19's Python sources over a 0.16 install), lives her
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -34,7 +39,7 @@ import sys
 import sysconfig
 import typing
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 _HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
 
@@ -63,12 +68,9 @@ def missing_reason() -> Optional[str]:
     with warnings.catch_warnings():  # Megatron-Core's import-time notes about missing GPU extensions
         warnings.simplefilter("ignore")
         try:
-            training = importlib.import_module("megatron.training.training")
+            importlib.import_module("megatron.training.training")
         except ImportError as err:
             return f"megatron.training of megatron-core {version} cannot be imported: {err}"
-    if "cfg_container" not in inspect.signature(training.pretrain).parameters:
-        return (f"megatron-core {version}'s pretrain() parses the command line itself, after starting the process "
-                "group, so LLEP's flags cannot be checked first; megatron-core >= 0.18 is needed")
     return None
 
 
@@ -166,26 +168,62 @@ def use_dataset_helpers() -> None:
     dataset_utils.compile_helpers = compile_helpers
 
 
-def parse_and_validate_args(extra_args_provider: Callable, args_defaults: dict) -> Any:
-    """Megatron-LM's command line, parsed and validated, set as its global ``args``."""
-    from megatron.training.arguments import parse_and_validate_args as parse
-
-    return parse(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
-
-
-def run_pretrain(args: Any, dataset_provider: Callable, model_provider: Callable, forward_step: Callable) -> None:
-    """``megatron.training.pretrain`` for a GPT model built by ``model_provider`` (``args``: what
-    :func:`parse_and_validate_args` returned)."""
+def run_pretrain(extra_args_provider: Callable, args_defaults: dict, check_args: Callable[[Any], None],
+                 dataset_provider: Callable, model_provider: Callable, forward_step: Callable) -> None:
+    """``megatron.training.pretrain`` for a GPT model built by ``model_provider``, on Megatron-LM's
+    command line with ``extra_args_provider``'s flags and ``args_defaults``. ``check_args`` gets the
+    parsed, validated arguments before the process group starts and before any model is built."""
     from megatron.core.enums import ModelType
     from megatron.training import training
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    parameters = list(inspect.signature(training.pretrain).parameters)
+    if "cfg_container" not in parameters:
+        # 0.17: (train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
+        # extra_args_provider, args_defaults, ...): it parses the command line itself
+        with _checked_before_global_args(check_args):
+            training.pretrain(dataset_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                              extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+        return
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    check_args(args)
     with warnings.catch_warnings():  # "a ModelConfig is recommended": this model comes from model_provider
         warnings.simplefilter("ignore")
         container = pretrain_cfg_container_from_args(args, None)
-    if list(inspect.signature(training.pretrain).parameters)[2] == "model_provider":
+    if parameters[2] == "model_provider":
         # 0.18: (cfg_container, datasets_provider, model_provider, model_type, forward_step_func, ...)
         training.pretrain(container, dataset_provider, model_provider, ModelType.encoder_or_decoder, forward_step)
     else:  # 0.19: (cfg_container, datasets_provider, model_type, forward_step_func, model_provider=None, ...)
         training.pretrain(container, dataset_provider, ModelType.encoder_or_decoder, forward_step,
                           model_provider=model_provider)
+
+
+@contextlib.contextmanager
+def _checked_before_global_args(check_args: Callable[[Any], None]) -> Iterator[None]:
+    """0.17's ``initialize_megatron`` parses and validates the arguments, then hands them to
+    ``set_global_variables`` before starting the process group: ``check_args`` runs there first."""
+    from megatron.training import initialize
+
+    set_global_variables = initialize.set_global_variables
+
+    @functools.wraps(set_global_variables)
+    def checked_set_global_variables(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        check_args(args)
+        return set_global_variables(args, *rest, **kwargs)
+
+    initialize.set_global_variables = checked_set_global_variables
+    try:
+        yield
+    finally:
+        initialize.set_global_variables = set_global_variables
+
+
+def batch_on_this_cp_rank(batch: dict, cp_group: Any) -> dict:
+    """Megatron's ``get_batch_on_this_cp_rank`` (plain, not hybrid, context parallelism)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:  # 0.18+
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
