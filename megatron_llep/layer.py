@@ -72,7 +72,7 @@ class LLEPMoELayer(MoELayer):
 
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)
-        self.token_dispatcher.layer_number = layer_number
+        self.token_dispatcher.layer_number = mcore.moe_layer_number(self)  # MTP layers after the decoder's
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """MoELayer's own compute on plain-EP steps; on spilling steps the native experts plus this

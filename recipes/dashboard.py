@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from megatron_llep.compat import mcore
 from megatron_llep.metrics import STATS
 
 
@@ -92,7 +93,7 @@ class MoELoadMeter:
         def record(_router, _inputs, outputs) -> None:
             routing_map = outputs[1]
             counts = routing_map.detach().sum(dim=0).to("cpu", torch.float64)
-            key = int(layer.layer_number)
+            key = int(mcore.moe_layer_number(layer))
             self._counts[key] = self._counts.get(key, 0) + counts
 
         return record

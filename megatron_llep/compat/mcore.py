@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 import megatron.core
+import torch
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel import all_to_all as _all_to_all
 from megatron.core.transformer.moe import experts as _experts
@@ -173,3 +174,15 @@ def finish_param_sync(module: Any) -> None:
         for hook in list(submodule._forward_pre_hooks.values()):
             if "_make_forward_pre_hook" in getattr(hook, "__qualname__", ""):
                 hook(submodule, ())
+
+
+def moe_layer_number(layer: torch.nn.Module) -> Optional[int]:
+    """An MoE layer's number in the whole model, the same on every release: decoder layers
+    ``1..num_layers``, then the multi-token-prediction layers ``num_layers + 1, ...``. 0.17+ number
+    an MTP block's inner layer from 1 and flag it ``is_mtp_layer`` (their router adds
+    ``num_layers`` for its logs); 0.16 numbers it globally. Placements, traces and LLEP statistics
+    are keyed by this number, so they carry over between releases."""
+    number = layer.layer_number
+    if number is not None and getattr(layer, "is_mtp_layer", False):
+        number = number + layer.config.num_layers
+    return number

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
+from megatron_llep.compat import mcore
 from megatron_llep.compat.mcore import GroupedMLP, SequentialMLP
 from megatron_llep.placement.placement import ExpertPlacement, check_permutation, check_routing_groups
 
@@ -44,7 +45,7 @@ def moe_layers(model: Model) -> dict[int, BaseMoELayer]:
         for module in chunk.modules():
             if not isinstance(module, BaseMoELayer):
                 continue
-            number = module.layer_number
+            number = mcore.moe_layer_number(module)
             if number is None:
                 raise ValueError("an MoE layer has no layer_number; build it with layer_number=... or inside a TransformerLayer")
             if number in layers:
