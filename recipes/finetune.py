@@ -25,7 +25,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 import warnings
 from functools import partial
@@ -71,6 +70,7 @@ if not torch.cuda.is_available():  # before the first Megatron-Core import, whic
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError  # noqa: E402
 from megatron_llep.cost_model import CostModel  # noqa: E402
+from megatron_llep.writable import creation_problem  # noqa: E402
 from recipes import data as sft_data  # noqa: E402
 from recipes.models import RECIPES  # noqa: E402
 
@@ -118,18 +118,8 @@ def _unwritable(directory: str) -> Optional[str]:
     with a real file, which also catches read-only mounts and immutable directories."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         return f"{directory} is a file, not a directory"
-    existing = directory
-    while not os.path.exists(existing):  # the directory is created at the first save
-        existing = os.path.dirname(os.path.abspath(existing))
-    if not os.path.isdir(existing):
-        return f"{existing} is a file, so {directory} cannot be created"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".llep-write-test-", dir=existing)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as err:
-        return f"cannot write to {existing} ({err.strerror})"
-    return None
+    # the directory itself when it exists (a probe file goes into it), else where it will be created
+    return creation_problem(os.path.join(directory, "probe") if os.path.isdir(directory) else directory)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

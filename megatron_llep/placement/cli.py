@@ -17,12 +17,12 @@ import importlib
 import math
 import os
 import sys
-import tempfile
 import zipfile
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from megatron_llep.writable import creation_problem
 from megatron_llep.placement.cap import SpectrumPoint, plan_trace
 from megatron_llep.placement.metrics import Topology
 from megatron_llep.placement.placement import experts_per_rank
@@ -82,18 +82,7 @@ def _output_problem(path: str) -> Optional[str]:
     """Why ``path`` could not be written (None: it can), found before minutes of planning."""
     if os.path.isdir(path):
         return f"{path} is a directory; give a file name"
-    existing = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(existing):  # created when the file is written
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        return f"{existing} is a file, so {path} cannot be created"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".placement-write-test-", dir=existing)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as err:
-        return f"cannot write to {existing} ({err.strerror})"
-    return None
+    return creation_problem(path)
 
 
 def _load_trace_files(paths: Sequence[str], num_experts: Optional[int]) -> RoutingTrace:
