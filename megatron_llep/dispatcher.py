@@ -272,8 +272,6 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """Megatron's metadata: its own on steps LLEP leaves alone, else set by the plan."""
         if self.ep_size == 1 or not self.llep_config.enabled:
             return super().preprocess(routing_map)
-        self.num_out_tokens = int(routing_map.sum()) if self.config.moe_expert_capacity_factor is not None \
-            else routing_map.size(0) * self.config.moe_router_topk
         return self._tokens_per_expert
 
     def _plan_from_counts(self, routing_map: torch.Tensor) -> None:
@@ -289,6 +287,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         _all_gather_single(gathered, local, group=self.ep_group)
         gathered = gathered.cpu().numpy().reshape(self.ep_size, self.num_experts + 1)
         counts, inputs_match = gathered[:, :-1], bool(gathered[:, -1].all())
+        self.num_out_tokens = int(counts[self.ep_rank].sum())  # the permute's rows, dropped tokens excluded
 
         step = self._recomputed_step(counts, inputs_match)
         if step is None:
@@ -303,10 +302,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._llep_active = True
         self._tokens_per_expert = None
         self._send_columns, self._recv_perm = step.send_columns, step.recv_perm
-        self.input_splits = step.rank_plan.input_splits
-        self.output_splits = step.rank_plan.output_splits
-        self._input_split_list = self.input_splits.tolist()
-        self._output_split_list = self.output_splits.tolist()
+        self._input_split_list = step.rank_plan.input_splits.tolist()
+        self._output_split_list = step.rank_plan.output_splits.tolist()
 
     def _plan_step(self, counts: np.ndarray, device: torch.device) -> "_StepPlan":
         start = time.perf_counter()

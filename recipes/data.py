@@ -505,14 +505,10 @@ def _tokenize_sample(row: dict, tokenizer: Tokenizer, where: str) -> tuple[list[
     return ids, mask
 
 
-def read_sft_jsonl(path: str, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every record of a JSONL file tokenized; errors name the file and line."""
-    if os.path.isdir(path):
-        inside = sorted(name for name in os.listdir(path) if name.endswith(".jsonl"))
-        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
-        raise DataError(f"data {path} is a directory, not a JSONL file: give one .jsonl file{hint}")
-    samples = []
-    with _open_bytes(path, "data file") as f:
+def jsonl_objects(path: str, what: str) -> Iterator[tuple[str, dict]]:
+    """``("file:line", record)`` for every non-blank line of a JSONL file; a line that is not UTF-8,
+    not JSON or not a JSON object is a one-line :class:`DataError` naming the file and line."""
+    with _open_bytes(path, what) as f:
         for number, raw in enumerate(f, start=1):
             line = _decode_utf8(raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw, path, number)
             if not line.strip():
@@ -524,8 +520,19 @@ def read_sft_jsonl(path: str, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np
                 raise DataError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object, got {_json_type(row)}")
-            ids, mask = _tokenize_sample(row, tokenizer, where)
-            samples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
+            yield where, row
+
+
+def read_sft_jsonl(path: str, tokenizer: Tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every record of a JSONL file tokenized; errors name the file and line."""
+    if os.path.isdir(path):
+        inside = sorted(name for name in os.listdir(path) if name.endswith(".jsonl"))
+        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
+        raise DataError(f"data {path} is a directory, not a JSONL file: give one .jsonl file{hint}")
+    samples = []
+    for where, row in jsonl_objects(path, "data file"):
+        ids, mask = _tokenize_sample(row, tokenizer, where)
+        samples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
     if not samples:
         raise DataError(f"{path}: no records")
     if max(int(ids.max()) for ids, _ in samples) >= tokenizer.vocab_size:

@@ -18,7 +18,6 @@ end-of-document id is ``vocab_size - 1``. A local Hugging Face ``tokenizer.json`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Iterator, Optional, Sequence
@@ -34,10 +33,8 @@ class InputError(ValueError):
     """A record or file that cannot become a document (the message names the file and line)."""
 
 
-def _record_text(row: object, key: str, where: str) -> str:
+def _record_text(row: dict, key: str, where: str) -> str:
     """A JSONL record's document: ``row[key]``, else prompt + response, else the messages' contents."""
-    if not isinstance(row, dict):
-        raise InputError(f"{where}: a record must be a JSON object, got {type(row).__name__}")
     if key in row:
         text = row[key]
     elif "prompt" in row and "response" in row:
@@ -53,20 +50,13 @@ def _record_text(row: object, key: str, where: str) -> str:
 
 def read_documents(path: str, json_key: str = "text") -> Iterator[str]:
     """Documents of a ``.jsonl`` file (one per record) or of a text file (blank-line-separated)."""
+    if path.endswith(".jsonl"):  # the fine-tuning data's reader: file:line errors, UTF-8 BOM
+        for where, row in sft_data.jsonl_objects(path, "input file"):
+            yield _record_text(row, json_key, where)
+        return
     try:
         with open(path, encoding="utf-8") as f:
-            if path.endswith(".jsonl"):
-                for number, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    where = f"{path}:{number}"
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise InputError(f"{where}: not JSON ({err.msg})") from None
-                    yield _record_text(row, json_key, where)
-            else:
-                yield from (doc.strip() for doc in f.read().split("\n\n") if doc.strip())
+            yield from (doc.strip() for doc in f.read().split("\n\n") if doc.strip())
     except UnicodeDecodeError as err:
         raise InputError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
