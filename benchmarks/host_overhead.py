@@ -3,16 +3,19 @@
 At the gpt-oss-120b layer shape (32K tokens per GPU, N = 128, K = 4, P = 8 by default), for every
 scenario and every rank, the work the dispatcher does beyond stock Megatron:
 
-* the planner (host numpy, the same on every rank);
+* the planner (host numpy, the same on every rank) and the rank's view of the plan
+  (:meth:`LLEPPlan.rank_view`: its send/receive counts, slots and weight transfers);
 * the send columns (:class:`_SendColumns`): the plan folded into the routing map, so that
   Megatron's own permute emits the destination-major all-to-all order — ``[columns]`` vectors
   copied over and a few ``[tokens, columns]`` mask ops, no row gather;
-* the receive order (:class:`_RowPermutation`), built on the device from the ``[P * N]`` chunk
-  sizes; its gather of the received rows replaces stock's chunk sort (``sort_chunks_by_idxs``).
+* the receive order (:class:`_RowPermutation`): per-chunk shifts from the host, the row indices
+  built on the device; its gather of the received rows replaces stock's chunk sort
+  (``sort_chunks_by_idxs``).
 
 Their device work is timed here on the CPU (an upper bound for the host part); the host part on a
 GPU is the dispatch of their few tensor ops, measured by running them on inputs of at most one row
-per chunk. planner + dispatch is LLEP's extra host time per layer on a GPU (target: under 0.3 ms).
+per chunk. planner + rank view + dispatch is LLEP's extra host time per layer on a GPU (target:
+under 0.3 ms).
 Token rows gathered beyond stock: none in forward or backward when each rank owns more than one
 expert (stock sorts its received rows too); with one expert per rank stock sorts nothing and the
 receive order is one gather more.
@@ -87,7 +90,7 @@ def run(ep: int, repeats: int) -> list[dict]:
         plan_ms = _best_ms(lambda: plan_llep(counts, config, expert), repeats)
         plan = plan_llep(counts, config, expert)
         row = dict(scenario=scenario.label, ep=ep, mode="plain" if plan.is_plain_ep else "llep", plan_ms=plan_ms,
-                   send_columns_ms=0.0, recv_order_ms=0.0, dispatch_ms=0.0, columns=0, extra_rows=0)
+                   view_ms=0.0, send_columns_ms=0.0, recv_order_ms=0.0, dispatch_ms=0.0, columns=0, extra_rows=0)
         if not plan.is_plain_ep:
             per_rank = []
             for rank in range(ep):
@@ -95,15 +98,16 @@ def run(ep: int, repeats: int) -> list[dict]:
                 routing = _routing_map(view.send_counts, shape.tokens_per_gpu)
                 probs = torch.rand(routing.shape) * routing
                 received = int(view.recv_counts.sum())
-                per_rank.append((_best_ms(lambda: _send_columns(view, routing, probs), repeats),
+                per_rank.append((_best_ms(lambda: plan.rank_view(rank), repeats),
+                                 _best_ms(lambda: _send_columns(view, routing, probs), repeats),
                                  _best_ms(lambda: _recv_order(view), repeats),
                                  _best_ms(lambda: _dispatch_only(view, num_experts), repeats),
                                  int(np.count_nonzero(view.send_counts)),
                                  received if local == 1 else 0))
-            for i, key in enumerate(("send_columns_ms", "recv_order_ms", "dispatch_ms", "columns", "extra_rows")):
+            for i, key in enumerate(("view_ms", "send_columns_ms", "recv_order_ms", "dispatch_ms", "columns", "extra_rows")):
                 row[key] = max(p[i] for p in per_rank)
         # on a GPU the device work runs as kernels; the host pays the planner and their dispatch
-        row["extra_host_ms"] = row["plan_ms"] + row["dispatch_ms"]
+        row["extra_host_ms"] = row["plan_ms"] + row["view_ms"] + row["dispatch_ms"]
         row["extra_gather_mb"] = 2 * row["extra_rows"] * expert.token_bytes / 2**20  # forward and backward
         rows.append(row)
     return rows
@@ -118,6 +122,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = run(args.ep, args.repeats)
     print_table(rows, [("scenario", "scenario", "s"), ("mode", "mode", "s"), ("plan_ms", "plan ms", ".3f"),
+                       ("view_ms", "rank view ms", ".3f"),
                        ("send_columns_ms", "send columns ms", ".3f"), ("recv_order_ms", "recv order ms", ".3f"),
                        ("dispatch_ms", "of them dispatch ms", ".3f"), ("columns", "columns", "d"),
                        ("extra_host_ms", "extra host ms", ".3f"), ("extra_rows", "extra rows", "d"),

@@ -62,22 +62,33 @@ def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) ->
 class _RowPermutation:
     """A row permutation and its inverse, built on the device they are applied on.
 
-    Rows come in chunks (e.g. expert-major blocks, split by destination); the permutation puts
-    the chunks in another order. Only the ``[chunks]`` sizes and the chunk order cross from the
-    host; the per-row indices are built on the device (no host loop over rows, no row-sized copy).
+    Rows come in chunks (e.g. source-major blocks of each expert); the permutation puts the chunks
+    in another order. The host knows the chunk sizes, so it computes each chunk's shift (new start
+    minus old start) for both directions; only those ``[chunks]`` vectors cross to the device,
+    where each index is ``arange + repeat_interleave(shift)``: no host loop over rows, no
+    row-sized copy, five device ops.
     """
 
     def __init__(self, chunk_sizes: np.ndarray, chunk_order: np.ndarray, device: torch.device) -> None:
-        total = int(chunk_sizes.sum())
-        packed = torch.from_numpy(np.concatenate([chunk_sizes, chunk_order]).astype(np.int64))
-        sizes, order = packed.to(device, non_blocking=True).split([chunk_sizes.size, chunk_order.size])  # one copy
-        source_starts = torch.cumsum(sizes, 0) - sizes
-        new_sizes = sizes.index_select(0, order)
-        new_starts = torch.cumsum(new_sizes, 0) - new_sizes
-        shift = source_starts.index_select(0, order) - new_starts
+        sizes = np.asarray(chunk_sizes, np.int64)
+        new_sizes = sizes[chunk_order]
+        total = int(new_sizes.sum())
+        if total != int(sizes.sum()):
+            raise ValueError("_RowPermutation: the chunk order leaves out non-empty chunks")
+        # forward[new row] = old row: each new chunk shifted by (its old start - its new start)
+        shift = (np.cumsum(sizes) - sizes)[chunk_order] - (np.cumsum(new_sizes) - new_sizes)
+        kept = new_sizes > 0
+        forward_sizes, forward_shift = new_sizes[kept], shift[kept]
+        # inverse[old row] = new row: the same chunks in their old order, shifted back
+        old_order = np.sort(chunk_order[kept])
+        inverse_shift = np.zeros(sizes.size, np.int64)
+        inverse_shift[chunk_order[kept]] = -forward_shift
+        host = [forward_sizes, forward_shift, sizes[old_order], inverse_shift[old_order]]
+        packed = torch.from_numpy(np.concatenate(host)).to(device, non_blocking=True)  # one copy
+        forward_sizes, forward_shift, inverse_sizes, inverse_shift = packed.split([a.size for a in host])
         rows = torch.arange(total, device=device)
-        self.forward = rows + torch.repeat_interleave(shift, new_sizes, output_size=total)
-        self.inverse = torch.empty_like(self.forward).scatter_(0, self.forward, rows)
+        self.forward = rows + torch.repeat_interleave(forward_shift, forward_sizes, output_size=total)
+        self.inverse = rows + torch.repeat_interleave(inverse_shift, inverse_sizes, output_size=total)
 
     @classmethod
     def recv_order(cls, rank_plan: RankPlan, device: torch.device) -> "_RowPermutation":
@@ -97,38 +108,31 @@ class _SendColumns:
     """The plan folded into Megatron's permute: the routing map's columns split and reordered so
     that Megatron's own (expert-major) permute emits the all-to-all's destination-major order.
 
-    Column ``(e, dst)`` holds the tokens of expert ``e`` that this rank sends to ``dst``: for a
-    spilled expert, the ``lo``-th to ``hi``-th of its routed tokens in token order (the split the
-    plan's ``send_counts`` make), else all of them. Columns are ordered by destination, then expert,
-    so no row is gathered beyond stock EP's permute; Megatron's unpermute with the same map restores
-    the token order on combine. Only ``[columns]`` vectors cross from the host.
+    Column ``(e, dst)`` holds the tokens of expert ``e`` that this rank sends to ``dst``: the
+    ``lo+1``-th to ``hi``-th of its routed tokens in token order (the split the plan's
+    ``send_counts`` make; all of them when the expert goes to one destination). Columns are
+    ordered by destination, then expert, so no row is gathered beyond stock EP's permute;
+    Megatron's unpermute with the same map restores the token order on combine. Only ``[columns]``
+    vectors cross from the host.
     """
 
     def __init__(self, rank_plan: RankPlan, device: torch.device) -> None:
         send = rank_plan.send_counts  # [N, P]
         expert, dst = np.nonzero(send.T)[::-1]  # non-empty (e, dst) chunks, destination-major
-        # experts whose tokens from this rank go to more than one destination: their columns take
-        # a range of the expert's tokens; every other column takes all of its expert's tokens
-        split_experts = np.flatnonzero(np.count_nonzero(send, axis=1) > 1)
-        split_columns = np.flatnonzero(np.isin(expert, split_experts))
-        starts = np.cumsum(send, axis=1) - send  # a chunk's first row within its expert's tokens
-        e, d = expert[split_columns], dst[split_columns]
-        host = [expert, split_experts, split_columns, np.searchsorted(split_experts, e), starts[e, d], starts[e, d] + send[e, d]]
-        # one host-to-device copy, then views
-        packed = torch.from_numpy(np.concatenate(host).astype(np.int64)).to(device, non_blocking=True)
-        (self.expert, self.split_experts, self.split_columns, self.split_of_column, self.lo, self.hi) = packed.split(
-            [a.size for a in host])
+        lo = (np.cumsum(send, axis=1) - send)[expert, dst]  # tokens of e before this chunk's first
+        host = np.stack([expert, lo, lo + send[expert, dst]]).astype(np.int32)  # token counts fit int32
+        packed = torch.from_numpy(host).to(device, non_blocking=True)  # one copy
+        self.expert, self.lo, self.hi = packed[0], packed[1:2].T, packed[2:3].T  # lo, hi: [columns, 1]
 
     def apply(self, routing_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``[tokens, columns]`` routing map and probabilities for Megatron's permute."""
-        columns = routing_map.index_select(1, self.expert)
-        if self.split_experts.numel():
-            # each routed token's index among its expert's tokens, for the split experts only
-            index = torch.cumsum(routing_map.index_select(1, self.split_experts), dim=0, dtype=torch.int32) - 1
-            index = index.index_select(1, self.split_of_column)
-            in_range = (index >= self.lo) & (index < self.hi)
-            columns.index_copy_(1, self.split_columns, columns.index_select(1, self.split_columns) & in_range)
-        return columns, probs.index_select(1, self.expert)
+        """The ``[tokens, columns]`` routing map and probabilities for Megatron's permute.
+
+        Built column-major and returned as transposed views: Megatron's permute transposes both to
+        ``[columns, tokens]`` first, which is then free, and the running count is contiguous."""
+        columns = routing_map.T.index_select(0, self.expert)  # [columns, tokens]
+        position = torch.cumsum(columns, dim=1, dtype=torch.int32)  # 1-based index among e's tokens
+        columns &= (position > self.lo) ^ (position > self.hi)  # lo < position <= hi, as hi >= lo
+        return columns.T, probs.T.index_select(0, self.expert).T
 
 
 # Per-layer CUDA-graph regions that leave the MoE dispatch, experts and combine out of the graph.
@@ -266,6 +270,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._plan_from_counts(routing_map)
         if self._llep_active:
             routing_map, probs = self._send_columns.apply(routing_map, probs)
+            if self.config.moe_permute_fusion:  # TE's fused permute: token-major, as the router returns them
+                routing_map, probs = routing_map.contiguous(), probs.contiguous()
         return super().dispatch_preprocess(hidden_states, routing_map, probs)
 
     def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:

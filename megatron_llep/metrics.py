@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -11,51 +11,72 @@ import numpy as np
 from megatron_llep.planner import LLEPPlan
 
 
-@dataclass
+@dataclass(frozen=True)
 class LLEPStepStats:
-    """What one MoE layer's plan did in one forward step."""
+    """What one MoE layer's plan did in one forward step.
+
+    Recording keeps the plan; the figures are derived when a logger reads them (once per logging
+    interval), not on the step's critical path."""
 
     layer_number: Optional[int]
-    mode: str  # "llep", "plain" (no spill needed) or "fallback" (balanced below lambda)
-    max_mean_before: float
-    max_mean_after: float
-    spilled_tokens: int
-    moved_tokens: int
-    weight_transfers: int
-    weight_bytes: int
+    plan: LLEPPlan
+    expert_weight_bytes: int
     plan_time_s: float
-    expert_loads: np.ndarray
-    rank_loads_after: np.ndarray
 
     @classmethod
     def from_plan(
         cls, plan: LLEPPlan, layer_number: Optional[int], expert_weight_bytes: int, plan_time_s: float
     ) -> "LLEPStepStats":
-        before, after = plan.rank_loads_before, plan.rank_loads_after
-        mean = max(before.mean(), 1e-12)
-        mode = "llep" if not plan.is_plain_ep else ("fallback" if plan.fallback else "plain")
-        return cls(
-            layer_number=layer_number,
-            mode=mode,
-            max_mean_before=float(before.max() / mean) if before.sum() else 1.0,
-            max_mean_after=float(after.max() / mean) if after.sum() else 1.0,
-            spilled_tokens=plan.spilled_tokens,
-            moved_tokens=plan.moved_tokens(),
-            weight_transfers=plan.num_weight_transfers,
-            weight_bytes=plan.num_weight_transfers * expert_weight_bytes,
-            plan_time_s=plan_time_s,
-            expert_loads=plan.counts.sum(axis=0),
-            rank_loads_after=after.copy(),
-        )
+        return cls(layer_number, plan, expert_weight_bytes, plan_time_s)
+
+    @property
+    def mode(self) -> str:
+        """"llep", "plain" (no spill worthwhile) or "fallback" (balanced below lambda)."""
+        return "llep" if not self.plan.is_plain_ep else ("fallback" if self.plan.fallback else "plain")
+
+    def _max_mean(self, loads: np.ndarray) -> float:
+        mean = self.plan.rank_loads_before.mean()
+        return float(loads.max() / mean) if mean > 0 else 1.0
+
+    @property
+    def max_mean_before(self) -> float:
+        return self._max_mean(self.plan.rank_loads_before)
+
+    @property
+    def max_mean_after(self) -> float:
+        return self._max_mean(self.plan.rank_loads_after)
+
+    @property
+    def spilled_tokens(self) -> int:
+        return self.plan.spilled_tokens
+
+    @property
+    def moved_tokens(self) -> int:
+        return self.plan.moved_tokens()
+
+    @property
+    def weight_transfers(self) -> int:
+        return self.plan.num_weight_transfers
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.plan.num_weight_transfers * self.expert_weight_bytes
+
+    @property
+    def expert_loads(self) -> np.ndarray:
+        return self.plan.counts.sum(axis=0)
+
+    @property
+    def rank_loads_after(self) -> np.ndarray:
+        return self.plan.rank_loads_after
 
     def scalars(self) -> dict[str, float]:
-        """The numeric fields, for a metrics sink."""
-        row = asdict(self)
-        row.pop("expert_loads")
-        row.pop("rank_loads_after")
-        row.pop("layer_number")
-        row["llep_active"] = float(row.pop("mode") == "llep")
-        return {k: float(v) for k, v in row.items()}
+        """The numeric figures, for a metrics sink."""
+        names = ("max_mean_before", "max_mean_after", "spilled_tokens", "moved_tokens", "weight_transfers",
+                 "weight_bytes", "plan_time_s")
+        row = {name: float(getattr(self, name)) for name in names}
+        row["llep_active"] = float(self.mode == "llep")
+        return row
 
 
 class LLEPStatsTracker:

@@ -178,12 +178,9 @@ class LLEPPlan:
             np.add.at(send, (self.chunk_expert[out], self.chunk_dst[out]), self.chunk_count[out])
             into = self.chunk_dst == rank
             np.add.at(recv, (self.chunk_src[into], self.chunk_expert[into]), self.chunk_count[into])
-        sends = sorted(
-            (int(e), int(h)) for e, n, h in zip(self.transfer_expert, self.transfer_native, self.transfer_helper) if n == rank
-        )
-        receives = sorted(
-            (int(e), int(n)) for e, n, h in zip(self.transfer_expert, self.transfer_native, self.transfer_helper) if h == rank
-        )
+        transfers = list(zip(self.transfer_expert.tolist(), self.transfer_native.tolist(), self.transfer_helper.tolist()))
+        sends = sorted((e, h) for e, n, h in transfers if n == rank)
+        receives = sorted((e, n) for e, n, h in transfers if h == rank)
         slots = np.concatenate([np.arange(mine.start, mine.stop), np.array([e for e, _ in receives], np.int64)])
         return RankPlan(
             rank=rank,

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes import data as sft_data  # noqa: E402
+from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 
 class InputError(ValueError):
@@ -65,6 +66,7 @@ def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer_path: s
                           json_key: str = "text") -> tuple[str, int, int]:
     """Write ``<output_prefix>_text_document.{bin,idx}``; returns the prefix to train on, the number
     of documents and of tokens."""
+    quiet_known_cpu_warnings()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
     tokenizer = sft_data.load_tokenizer(tokenizer_path)

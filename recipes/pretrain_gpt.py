@@ -34,6 +34,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
+
+quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns at import time
+
 PREFIX = "[pretrain_gpt]"
 
 

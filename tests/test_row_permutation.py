@@ -11,7 +11,7 @@ from megatron_llep.config import LLEPConfig
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from megatron_llep.dispatcher import _RowPermutation, _SendColumns
-from megatron_llep.planner import plan_llep
+from megatron_llep.planner import chunk_gather_index, plan_llep
 from megatron_llep.scenarios import imbalanced_topk
 
 
@@ -26,6 +26,7 @@ def test_device_orders_equal_the_planners_host_orders(ep, experts, topk, hot):
         built, reference = _RowPermutation.recv_order(view, torch.device("cpu")), view.recv_order()
         assert np.array_equal(built.forward.numpy(), reference)
         assert torch.equal(built.forward[built.inverse], torch.arange(reference.size))
+        assert torch.equal(built.inverse[built.forward], torch.arange(reference.size))
 
 
 def _routing_map(ids: np.ndarray, experts: int) -> torch.Tensor:
@@ -51,8 +52,7 @@ def test_megatrons_permute_with_the_send_columns_emits_the_send_order(ep, expert
         columns = _SendColumns(view, torch.device("cpu"))
         if broken:  # negative control: destinations in reverse order
             order = torch.argsort(torch.as_tensor(np.nonzero(view.send_counts.T)[0]), descending=True, stable=True)
-            position = torch.argsort(order)  # a column's new place
-            columns.expert, columns.split_columns = columns.expert[order], position[columns.split_columns]
+            columns.expert, columns.lo, columns.hi = columns.expert[order], columns.lo[order], columns.hi[order]
         split_map, split_probs = columns.apply(routing, probs)
         rows, row_probs, mapping = permute(tokens, split_map, probs=split_probs, num_out_tokens=256 * topk)[:3]
         matches.append(torch.equal(rows, stock_rows[view.send_order()]) and torch.equal(row_probs, stock_probs[view.send_order()]))
@@ -65,3 +65,16 @@ def test_megatrons_permute_with_the_send_columns_emits_the_send_order(ep, expert
 def test_a_rank_without_rows():
     empty = _RowPermutation(np.zeros(6, np.int64), np.arange(6)[::-1].copy(), torch.device("cpu"))
     assert empty.forward.numel() == 0 and empty.inverse.numel() == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_chunk_order_with_empty_chunks(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 4, 40) * (rng.random(40) < 0.6)  # many empty chunks
+    order = rng.permutation(40)
+    built = _RowPermutation(sizes, order, torch.device("cpu"))
+    reference = chunk_gather_index(sizes, order)
+    assert np.array_equal(built.forward.numpy(), reference)
+    assert np.array_equal(built.inverse.numpy(), np.argsort(reference))
+    with pytest.raises(ValueError, match="leaves out non-empty chunks"):
+        _RowPermutation(sizes + 1, order[:-1], torch.device("cpu"))
