@@ -133,8 +133,9 @@ def main() -> None:
     data_dir = os.path.join(args.out_dir, "data")
     os.makedirs(data_dir, exist_ok=True)
     for path in (args.layer_cpu, args.plan_model, args.gpu):
-        if path:
-            shutil.copy(path, os.path.join(data_dir, os.path.basename(path)))
+        target = os.path.join(data_dir, os.path.basename(path)) if path else None
+        if path and not (os.path.exists(target) and os.path.samefile(path, target)):  # regenerating from docs/data
+            shutil.copy(path, target)
     print(f"wrote {args.out_dir}/benchmarks_results.md and {args.out_dir}/img/llep_speedup_memory.png")
 
 

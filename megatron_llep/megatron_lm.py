@@ -6,7 +6,9 @@ Megatron-LM's ``pretrain_gpt.py`` with them):
 * :func:`add_llep_args`, an ``extra_args_provider``: ``--llep`` and ``--llep-*`` flags, one per
   :class:`~megatron_llep.config.LLEPConfig` field, and ``--llep-placement`` (a CAP placement);
   :func:`precheck_llep_flags` (before Megatron-LM is imported) and :func:`check_llep_args` (on its
-  parsed arguments) validate them with one-line messages before anything is built.
+  parsed arguments) validate them with one-line messages before anything is built;
+  :func:`record_checkpoint_placement` notes in ``--save`` which expert order its checkpoints hold,
+  and a later ``--load`` with another placement is refused.
 * :func:`model_provider`: Megatron-LM's GPT model (the layer spec its ``gpt_builders.py`` picks) with
   every MoE layer an ``LLEPMoELayer`` under ``--llep``, and the placement applied before DDP and the
   optimizer see the parameters.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import os
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
@@ -106,6 +109,58 @@ def _check_own_flags(args: argparse.Namespace) -> None:
         llep_config_from_args(args)
 
 
+def _holds_checkpoints(directory: str) -> bool:
+    """Whether Megatron-LM saved into ``directory`` (its tracker file or an ``iter_*`` directory)."""
+    if not os.path.isdir(directory):
+        return False
+    return os.path.isfile(os.path.join(directory, "latest_checkpointed_iteration.txt")) or any(
+        name.startswith("iter_") for name in os.listdir(directory))
+
+
+def _placement_layers(placement: Any) -> Optional[dict]:
+    return None if placement is None else placement.to_json()["layers"]
+
+
+def check_checkpoint_placement(args: argparse.Namespace) -> None:
+    """The placement is applied to the model before Megatron-LM loads into it, so a checkpoint holds
+    the experts in the order of the run that saved it (recorded as ``expert_placement.json`` in the
+    directory by :func:`record_checkpoint_placement`). Checkpoints already in ``--load`` or
+    ``--save`` must be in this run's ``--llep-placement`` order. Raises ``ValueError`` (one line)."""
+    from megatron_llep.placement import read_checkpoint_placement
+
+    placement = _load_placement(args.llep_placement) if args.llep_placement else None
+    ours = f"--llep-placement {args.llep_placement}" if placement is not None else "original order (no --llep-placement)"
+    for flag in ("load", "save"):
+        directory = getattr(args, flag, None)
+        if not directory or not _holds_checkpoints(directory):
+            continue
+        try:
+            saved = read_checkpoint_placement(directory)
+        except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"--{flag} {directory}: unreadable expert_placement.json ({err})") from None
+        if _placement_layers(saved) != _placement_layers(placement):
+            theirs = "original order" if saved is None else f"the placement in {directory}/expert_placement.json"
+            raise ValueError(f"--{flag} {directory}: its checkpoints hold the experts in {theirs}, this run uses "
+                             f"{ours}; pass the placement they were saved with, or another --{flag} directory")
+
+
+def record_checkpoint_placement(args: argparse.Namespace) -> None:
+    """Note in ``--save`` which expert order its checkpoints will hold (call once, from rank 0, after
+    :func:`check_checkpoint_placement`): the placement's file, or none for the original order."""
+    from megatron_llep.placement import write_checkpoint_placement
+    from megatron_llep.placement.placement import CHECKPOINT_PLACEMENT_FILE
+
+    if not getattr(args, "save", None):
+        return
+    if args.llep_placement:
+        os.makedirs(args.save, exist_ok=True)
+        write_checkpoint_placement(args.save, _load_placement(args.llep_placement))
+    elif not _holds_checkpoints(args.save):  # a note left by a run that saved nothing
+        stale = os.path.join(args.save, CHECKPOINT_PLACEMENT_FILE)
+        if os.path.isfile(stale):
+            os.remove(stale)
+
+
 def precheck_llep_flags(argv: Sequence[str]) -> None:
     """LLEP's own flags in a command line, checked before Megatron-LM is even imported, so a typo
     fails in seconds. Raises ``ValueError`` (one line)."""
@@ -119,9 +174,10 @@ def precheck_llep_flags(argv: Sequence[str]) -> None:
 
 def check_llep_args(args: argparse.Namespace) -> None:
     """Everything about the LLEP flags that can be checked before building, on Megatron-LM's parsed
-    arguments: the knobs, the placement file, and the Megatron settings LLEP needs. Raises
-    ``ValueError`` (one line)."""
+    arguments: the knobs, the placement file (and the order of the checkpoints in ``--load`` and
+    ``--save``), and the Megatron settings LLEP needs. Raises ``ValueError`` (one line)."""
     _check_own_flags(args)
+    check_checkpoint_placement(args)
     if not args.llep:
         return
     if not args.num_experts:

@@ -271,6 +271,8 @@ def _check_parsed_args(args: argparse.Namespace) -> None:
         check_args(args)
     except ValueError as err:
         _fail(str(err))
+    if _rank() == 0:
+        megatron_lm.record_checkpoint_placement(args)
     note = megatron_lm.note_when_idle(args)
     if note and _rank() == 0:
         print(f"{PREFIX} note: {note}", flush=True)

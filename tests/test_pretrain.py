@@ -201,6 +201,8 @@ def _llep_flags(*argv: str) -> argparse.Namespace:
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--moe-token-dispatcher-type", default="alltoall")
     parser.add_argument("--expert-model-parallel-size", type=int, default=2)
+    parser.add_argument("--load", default=None)
+    parser.add_argument("--save", default=None)
     return add_llep_args(parser).parse_args(argv)
 
 
@@ -282,3 +284,41 @@ def test_cpu_runs_get_the_flags_megatron_lm_needs_there():
                         "--no-gradient-accumulation-fusion"]
     with pytest.raises(ValueError, match="--distributed-backend nccl cannot run on CPU: use --distributed-backend gloo"):
         cpu_argv(["--distributed-backend", "nccl"])
+
+
+def test_checkpoints_in_another_expert_order_are_refused(tmp_path):
+    """Megatron-LM loads into the model after the placement moved its experts: a checkpoint saved in
+    another order would load every moved expert into the wrong slot, silently."""
+    from megatron_llep.megatron_lm import check_llep_args, record_checkpoint_placement
+    from megatron_llep.placement import ExpertPlacement
+
+    swapped = np.array([7, 6, 5, 4, 3, 2, 1, 0])
+    for name, order in (("p.json", swapped), ("q.json", np.roll(swapped, 4))):
+        ExpertPlacement(num_experts=8, ep_size=2, layers={1: order}).save(str(tmp_path / name))
+    p, q = str(tmp_path / "p.json"), str(tmp_path / "q.json")
+    plain = tmp_path / "plain"  # saved without a placement
+    plain.mkdir()
+    (plain / "latest_checkpointed_iteration.txt").write_text("2")
+    check_llep_args(_llep_flags("--load", str(plain)))
+    with pytest.raises(ValueError) as err:
+        check_llep_args(_llep_flags("--load", str(plain), "--llep-placement", p))
+    assert str(err.value) == (f"--load {plain}: its checkpoints hold the experts in original order, this run uses "
+                              f"--llep-placement {p}; pass the placement they were saved with, or another --load "
+                              "directory")
+
+    placed = tmp_path / "placed"
+    record_checkpoint_placement(_llep_flags("--save", str(placed), "--llep-placement", p))
+    assert (placed / "expert_placement.json").is_file()
+    (placed / "iter_0000002").mkdir()  # Megatron-LM saved here
+    check_llep_args(_llep_flags("--load", str(placed), "--save", str(placed), "--llep-placement", p))
+    for argv in (["--llep-placement", q], []):
+        with pytest.raises(ValueError, match=f"--load {placed}: its checkpoints hold the experts in the placement in "):
+            check_llep_args(_llep_flags("--load", str(placed), *argv))
+    with pytest.raises(ValueError, match=f"--save {placed}: .* this run uses original order"):
+        check_llep_args(_llep_flags("--save", str(placed)))
+
+    # a note left where nothing was saved does not outlive a run without a placement
+    empty = tmp_path / "empty"
+    record_checkpoint_placement(_llep_flags("--save", str(empty), "--llep-placement", p))
+    record_checkpoint_placement(_llep_flags("--save", str(empty)))
+    assert not (empty / "expert_placement.json").exists()
