@@ -117,16 +117,13 @@ def _holds_checkpoints(directory: str) -> bool:
         name.startswith("iter_") for name in os.listdir(directory))
 
 
-def _placement_layers(placement: Any) -> Optional[dict]:
-    return None if placement is None else placement.to_json()["layers"]
-
-
 def check_checkpoint_placement(args: argparse.Namespace) -> None:
     """The placement is applied to the model before Megatron-LM loads into it, so a checkpoint holds
     the experts in the order of the run that saved it (recorded as ``expert_placement.json`` in the
     directory by :func:`record_checkpoint_placement`). Checkpoints already in ``--load`` or
     ``--save`` must be in this run's ``--llep-placement`` order. Raises ``ValueError`` (one line)."""
-    from megatron_llep.placement import read_checkpoint_placement
+    from megatron_llep.placement import read_checkpoint_placement, same_expert_order
+    from megatron_llep.placement.placement import CHECKPOINT_PLACEMENT_FILE
 
     placement = _load_placement(args.llep_placement) if args.llep_placement else None
     ours = f"--llep-placement {args.llep_placement}" if placement is not None else "original order (no --llep-placement)"
@@ -137,9 +134,9 @@ def check_checkpoint_placement(args: argparse.Namespace) -> None:
         try:
             saved = read_checkpoint_placement(directory)
         except (OSError, ValueError, KeyError) as err:
-            raise ValueError(f"--{flag} {directory}: unreadable expert_placement.json ({err})") from None
-        if _placement_layers(saved) != _placement_layers(placement):
-            theirs = "original order" if saved is None else f"the placement in {directory}/expert_placement.json"
+            raise ValueError(f"--{flag} {directory}: unreadable {CHECKPOINT_PLACEMENT_FILE} ({err})") from None
+        if not same_expert_order(saved, placement):
+            theirs = "original order" if saved is None else f"the placement in {directory}/{CHECKPOINT_PLACEMENT_FILE}"
             raise ValueError(f"--{flag} {directory}: its checkpoints hold the experts in {theirs}, this run uses "
                              f"{ours}; pass the placement they were saved with, or another --{flag} directory")
 

@@ -39,7 +39,12 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_llep.compat import mcore
-from megatron_llep.placement import ExpertPlacement, read_checkpoint_placement, write_checkpoint_placement
+from megatron_llep.placement import (
+    ExpertPlacement,
+    read_checkpoint_placement,
+    same_expert_order,
+    write_checkpoint_placement,
+)
 from recipes import watchdog
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -449,8 +454,7 @@ def load_checkpoint(
     """
     watchdog.progress(f"loading {directory}")
     saved_placement = read_checkpoint_placement(directory)
-    as_layers = lambda p: None if p is None else p.to_json()["layers"]  # noqa: E731
-    if as_layers(saved_placement) != as_layers(placement):
+    if not same_expert_order(saved_placement, placement):
         raise CheckpointError(f"{directory} stores experts in {'a CAP placement' if saved_placement else 'original order'}"
                               f" but this run uses {'a different placement' if placement else 'none'} (--placement)")
     common = dist_checkpointing.load_common_state_dict(directory)

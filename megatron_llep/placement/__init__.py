@@ -10,7 +10,12 @@ Command line: ``python -m megatron_llep.placement --help``.
 
 from megatron_llep.placement.cap import CAPResult, SpectrumPoint, plan_cap, plan_trace, select_by_lambda, select_by_profiling
 from megatron_llep.placement.metrics import Topology, coactivation, comm_cost, devices_per_token, load_imbalance
-from megatron_llep.placement.placement import ExpertPlacement, read_checkpoint_placement, write_checkpoint_placement
+from megatron_llep.placement.placement import (
+    ExpertPlacement,
+    read_checkpoint_placement,
+    same_expert_order,
+    write_checkpoint_placement,
+)
 from megatron_llep.placement.pruning import PrunedRouting, prune_devices
 from megatron_llep.placement.trace import RoutingTrace, load_traces, merge_traces, synthetic_trace
 
@@ -34,6 +39,7 @@ __all__ = [
     "prune_devices",
     "read_checkpoint_placement",
     "restore_original_order",
+    "same_expert_order",
     "select_by_lambda",
     "select_by_profiling",
     "synthetic_trace",

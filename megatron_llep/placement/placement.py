@@ -182,3 +182,12 @@ def read_checkpoint_placement(checkpoint_dir: str) -> Optional[ExpertPlacement]:
     """The placement a checkpoint was saved in, or None for a checkpoint in original order."""
     path = os.path.join(checkpoint_dir, CHECKPOINT_PLACEMENT_FILE)
     return ExpertPlacement.load(path) if os.path.exists(path) else None
+
+
+def same_expert_order(a: Optional[ExpertPlacement], b: Optional[ExpertPlacement]) -> bool:
+    """Whether a model placed by ``a`` and one placed by ``b`` (None: original order) hold their
+    experts in the same slots, i.e. a checkpoint of one loads into the other."""
+    def layers(placement: Optional[ExpertPlacement]) -> Optional[dict]:
+        return None if placement is None else placement.to_json()["layers"]
+
+    return layers(a) == layers(b)
