@@ -32,6 +32,7 @@ for itself in isolation can still shorten the slowest rank, and vice versa.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -227,11 +228,10 @@ class LayerTimeModel:
             raise ValueError(f"LayerTimeModel: {ep} ranks of {num_local_experts} experts cannot hold {counts.shape[1]} "
                              f"experts, or do not split into nodes of {per_node}")
         nodes = ep // per_node
-        ranks = np.arange(ep)
         self.ep = ep
         self.cost_model = cost_model
-        self.native = np.arange(num_experts) // local
-        self.node = ranks // per_node
+        self._ranks, self.native, self.node, self._cross = _rank_layout(ep, local, per_node)
+        ranks = self._ranks
         self.gemm_a, self.gemm_b = cost_model.gemm_coefficients(shape)
         loads = counts.sum(axis=0)
         self.expert_gemm = (loads > 0) * (self.gemm_a + self.gemm_b * loads)
@@ -240,12 +240,14 @@ class LayerTimeModel:
         self.token_bytes = shape.token_bytes * scale
         self.weight_bytes = shape.weight_bytes * scale
         # Plain EP's token traffic: [link class (0 inside a node, 1 across), rank], in tokens.
-        to_rank = np.einsum("srk->sr", counts.reshape(ep, ep, local))  # [source, native rank]
-        own = to_rank[ranks, ranks]
+        to_rank = counts.reshape(ep, ep, local).sum(axis=2)  # [source, native rank]
+        own = to_rank.diagonal()
         to_node = to_rank.reshape(ep, nodes, per_node).sum(axis=2)[ranks, self.node]
         from_node = to_rank.reshape(nodes, per_node, ep).sum(axis=1)[self.node, ranks]
-        self._ep_out = np.stack([to_node - own, to_rank.sum(axis=1) - to_node]).astype(np.float64)
-        self._ep_in = np.stack([from_node - own, to_rank.sum(axis=0) - from_node]).astype(np.float64)
+        self._ep_out = np.empty((2, ep))
+        self._ep_out[0], self._ep_out[1] = to_node - own, to_rank.sum(axis=1) - to_node
+        self._ep_in = np.empty((2, ep))
+        self._ep_in[0], self._ep_in[1] = from_node - own, to_rank.sum(axis=0) - from_node
         self._counts = counts
 
     def phases(self, plan: "LLEPPlan") -> dict[str, float]:
@@ -261,7 +263,7 @@ class LayerTimeModel:
             chunks = np.array([plan.chunk_expert, plan.chunk_src, plan.chunk_dst, plan.chunk_count,
                                np.searchsorted(plan.spilled_experts, plan.chunk_expert)])
             one = np.zeros(plan.spilled_experts.size, np.int64)
-            dispatch, compute, combine = self._candidate_phases(rows, chunks, one, 1)[0]
+            dispatch, compute, combine = self._candidate_phases(rows, plan.spilled_experts, chunks, one, 1)[0]
         return {"dispatch_s": dispatch, "compute_s": compute, "combine_s": combine,
                 "layer_s": dispatch + compute + combine}
 
@@ -276,51 +278,66 @@ class LayerTimeModel:
         return combine, float(self.ep_compute.max()), combine  # dispatch moves the same tokens
 
     def _candidate_phases(
-        self, rows: np.ndarray, chunks: np.ndarray, slot_candidate: np.ndarray, num_candidates: int
+        self, rows: np.ndarray, spilled: np.ndarray, chunks: np.ndarray, slot_candidate: np.ndarray,
+        num_candidates: int,
     ) -> list[tuple[float, float, float]]:
         """(dispatch, compute, combine) of several spill plans at once.
 
         ``rows``: :func:`_split_rows` rows of all candidates, slots numbered across them;
-        ``chunks``: :func:`_transport` of those rows; ``slot_candidate[slot]``: the slot's candidate.
-        Per-rank quantities are laid out ``[candidate, link class, rank]`` and flattened.
+        ``spilled[slot]``: the slot's expert; ``chunks``: :func:`_transport` of those rows;
+        ``slot_candidate[slot]``: the slot's candidate. Per-rank quantities are laid out
+        ``[candidate, link class, rank]`` (flattened where they are built by ``bincount``).
         """
-        ep, native, node, k = self.ep, self.native, self.node, num_candidates
+        ep, native, ranks, k = self.ep, self.native, self._ranks, num_candidates
         slot, split_expert, split_dst, split_tokens = rows
-        spilled = split_expert[np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1])))]
         owner = native[spilled]
         slot_base = slot_candidate * ep
         row_base = slot_base[slot]
         # Compute: each spilled expert's GEMM leaves its native rank; its parts' GEMMs are added.
-        compute = np.tile(self.ep_compute, k) - np.bincount(slot_base + owner, self.expert_gemm[spilled], k * ep)
-        compute += np.bincount(row_base + split_dst, self.gemm_a + self.gemm_b * split_tokens, k * ep)
+        compute = self.ep_compute - np.bincount(slot_base + owner, self.expert_gemm[spilled], k * ep).reshape(k, ep)
+        compute += np.bincount(row_base + split_dst, self.gemm_a + self.gemm_b * split_tokens, k * ep).reshape(k, ep)
         # Tokens: take the spilled experts' plain-EP traffic out, put the plan's chunks in.
         moved = self._counts[:, spilled]
         moved[owner, np.arange(spilled.size)] = 0
-        index = 2 * slot_base + (node[:, None] != node[owner][None, :]) * ep
+        index = 2 * slot_base + self._cross[:, owner]
         moved = moved.ravel()
         size = 2 * k * ep
-        out = np.tile(self._ep_out.ravel(), k) - np.bincount((index + np.arange(ep)[:, None]).ravel(), moved, size)
-        into = np.tile(self._ep_in.ravel(), k) - np.bincount((index + owner).ravel(), moved, size)
         src, dst, count = chunks[1], chunks[2], chunks[3] * (chunks[1] != chunks[2])
-        index = 2 * slot_base[chunks[4]] + (node[src] != node[dst]) * ep
-        out += np.bincount(index + src, count, size)
-        into += np.bincount(index + dst, count, size)
-        out, into = out.reshape(k, 2, ep) * self.token_bytes, into.reshape(k, 2, ep) * self.token_bytes
+        chunk_index = 2 * slot_base[chunks[4]] + self._cross[src, dst]
+        out = self._ep_out + (np.bincount(chunk_index + src, count, size)
+                              - np.bincount((index + ranks[:, None]).ravel(), moved, size)).reshape(k, 2, ep)
+        into = self._ep_in + (np.bincount(chunk_index + dst, count, size)
+                              - np.bincount((index + owner).ravel(), moved, size)).reshape(k, 2, ep)
+        out *= self.token_bytes
+        into *= self.token_bytes
         tokens = np.maximum(out.max(axis=2), into.max(axis=2))
         # Weights: one copy native -> helper per (expert, helper), sent in the dispatch phase.
         copy = split_dst != native[split_expert]
         weight_src, weight_dst = native[split_expert[copy]], split_dst[copy]
-        index = 2 * row_base[copy] + (node[weight_src] != node[weight_dst]) * ep
+        index = 2 * row_base[copy] + self._cross[weight_src, weight_dst]
         out += np.bincount(index + weight_src, minlength=size).reshape(k, 2, ep) * self.weight_bytes
         into += np.bincount(index + weight_dst, minlength=size).reshape(k, 2, ep) * self.weight_bytes
         peak = np.maximum(out.max(axis=2), into.max(axis=2))
-        compute = compute.reshape(k, ep).max(axis=1)
         link_time = self.cost_model.link_time
         return [
-            (max(link_time(peak[c, 0], False), link_time(peak[c, 1], True)), float(compute[c]),
-             max(link_time(tokens[c, 0], False), link_time(tokens[c, 1], True)))
-            for c in range(k)
+            (max(link_time(intra, False), link_time(inter, True)), slowest, max(link_time(a, False), link_time(b, True)))
+            for (intra, inter), slowest, (a, b) in zip(peak.tolist(), compute.max(axis=1).tolist(), tokens.tolist())
         ]
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_layout(ep: int, num_local_experts: int, ranks_per_node: int) -> tuple[np.ndarray, ...]:
+    """Read-only ``(ranks, native rank of each expert, node of each rank, cross)`` where
+    ``cross[src, dst]`` is ``ep`` for a link across nodes and 0 inside one: the offset of the link
+    class in :class:`LayerTimeModel`'s ``[link class, rank]`` layout. Cached: the planner prices
+    every step of every layer on the same layout."""
+    ranks = np.arange(ep)
+    node = ranks // ranks_per_node
+    layout = (ranks, np.arange(ep * num_local_experts) // num_local_experts, node,
+              (node[:, None] != node[None, :]) * ep)
+    for array in layout:
+        array.flags.writeable = False
+    return layout
 
 
 def chunk_gather_index(sizes: np.ndarray, order: np.ndarray) -> np.ndarray:
@@ -379,8 +396,8 @@ def plan_llep(
         return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
     if config.cost_aware:
         return _cheapest_plan(counts, loads, local, before, capacity, splits, config, expert_shape)
-    rows, _ = _split_rows([splits])
-    return _build_plan(counts, loads, local, capacity, before, rows, _transport(counts, rows))
+    rows, spilled, _ = _split_rows([splits])
+    return _build_plan(counts, loads, local, capacity, before, rows, spilled, _transport(counts, rows, spilled))
 
 
 # Raised capacities the cost-aware search tries, as multiples of the configured one. They are tried
@@ -428,10 +445,11 @@ def _cheapest_plan(
             capacities.append(raised)
             candidates.append(more)
             slots, last = slots + len(more), len(more)
-    rows, slot_candidate = _split_rows(candidates)
-    chunks = _transport(counts, rows)
+    rows, spilled, slot_candidate = _split_rows(candidates)
+    chunks = _transport(counts, rows, spilled)
     timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
-    times = [sum(phases) for phases in timer._candidate_phases(rows, chunks, slot_candidate, len(candidates))]
+    phases = timer._candidate_phases(rows, spilled, chunks, slot_candidate, len(candidates))
+    times = [sum(candidate) for candidate in phases]
     best, best_time = 0, times[0]
     ep_time = sum(timer._plain_ep_phases())
     if ep_time < best_time:
@@ -444,10 +462,10 @@ def _cheapest_plan(
     if len(candidates) > 1:
         mine = slot_candidate == best
         first = int(np.argmax(mine))
-        rows, chunks = rows[:, mine[rows[0]]], chunks[:, mine[chunks[4]]]
+        rows, spilled, chunks = rows[:, mine[rows[0]]], spilled[mine], chunks[:, mine[chunks[4]]]
         rows[0] -= first
         chunks[4] -= first
-    return _build_plan(counts, loads, local, capacities[best], before, rows, chunks)
+    return _build_plan(counts, loads, local, capacities[best], before, rows, spilled, chunks)
 
 
 def _weight_copies_weigh(
@@ -579,18 +597,18 @@ def _least_loaded_assignment(
     return splits
 
 
-def _split_rows(candidates: list[dict[int, list[tuple[int, int]]]]) -> tuple[np.ndarray, np.ndarray]:
-    """``[4, rows]`` (slot, expert, destination, tokens) of one or more plans' splits, and each
-    slot's plan. A slot is one spilled expert of one plan; slots count up across the plans, and
-    within a plan follow ascending expert ids, destinations ascending within a slot."""
-    rows, owners = [], []
+def _split_rows(candidates: list[dict[int, list[tuple[int, int]]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[4, rows]`` (slot, expert, destination, tokens) of one or more plans' splits, each slot's
+    expert and each slot's plan. A slot is one spilled expert of one plan; slots count up across
+    the plans, and within a plan follow ascending expert ids, destinations ascending within a slot."""
+    rows, experts, owners = [], [], []
     for k, splits in enumerate(candidates):
         for e in sorted(splits):
-            slot = len(owners)
-            rows.extend((slot, e, d, t) for d, t in splits[e])
+            rows.extend((len(owners), e, d, t) for d, t in splits[e])
+            experts.append(e)
             owners.append(k)
     rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4).T
-    return rows, np.array(owners, np.int64)
+    return rows, np.array(experts, np.int64), np.array(owners, np.int64)
 
 
 def _build_plan(
@@ -600,10 +618,10 @@ def _build_plan(
     capacity: float,
     before: np.ndarray,
     rows: np.ndarray,
+    spilled: np.ndarray,
     chunks: np.ndarray,
 ) -> LLEPPlan:
     split_expert, split_dst, split_tokens = rows[1], rows[2], rows[3]
-    spilled = split_expert[np.flatnonzero(np.concatenate(([True], rows[0][1:] != rows[0][:-1])))]
     native = split_expert // local
     after = before.copy()
     np.subtract.at(after, spilled // local, loads[spilled])
@@ -627,18 +645,17 @@ def _build_plan(
     )
 
 
-def _transport(counts: np.ndarray, splits: np.ndarray) -> np.ndarray:
+def _transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
     ``splits`` is ``[4, rows]`` from :func:`_split_rows` (slot, expert, destination, tokens): how
-    many tokens each destination computes. Returns ``[5, chunks]`` rows (expert, src, dst, count,
-    slot). Each destination first takes its own routed tokens; the rest of every slot's supply is
+    many tokens each destination computes; ``experts[slot]`` is the slot's expert. Returns
+    ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own routed tokens; the rest of every slot's supply is
     matched to the rest of its demand in rank order (north-west corner) — all slots at once, since
     the running sums of supply and demand meet at every slot boundary. Ranks are numbered node by
     node, so this keeps traffic inside nodes where it can.
     """
     slot, split_expert, split_dst, split_tokens = splits
-    experts = split_expert[np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1])))]
     ep = counts.shape[0]
     supply = counts.T[experts]  # [slots, src], a copy
     own = np.minimum(supply[slot, split_dst], split_tokens)
@@ -646,17 +663,17 @@ def _transport(counts: np.ndarray, splits: np.ndarray) -> np.ndarray:
     need = split_tokens - own
     stays = np.array([split_expert, split_dst, split_dst, own, slot])[:, own > 0]
     supply = supply.ravel()
-    sources = np.flatnonzero(supply)  # slot * ep + src
+    sources = supply.nonzero()[0]  # slot * ep + src
     if not sources.size:
         return stays
-    supply_end = np.cumsum(supply[sources])
+    supply_end = supply[sources].cumsum()
     open_rows = need > 0
-    demand_end = np.cumsum(need[open_rows])
+    demand_end = need[open_rows].cumsum()
     ends = np.concatenate([supply_end, demand_end])
     ends.sort(kind="stable")  # two sorted runs: a linear merge
     ends = ends[np.concatenate([[True], ends[1:] != ends[:-1]])]  # both sums increase strictly
     starts = np.concatenate([[0], ends[:-1]])
-    source = sources[np.searchsorted(supply_end, starts, side="right")]
-    destination = split_dst[open_rows][np.searchsorted(demand_end, starts, side="right")]
+    source = sources[supply_end.searchsorted(starts, "right")]
+    destination = split_dst[open_rows][demand_end.searchsorted(starts, "right")]
     moves = np.array([experts[source // ep], source % ep, destination, ends - starts, source // ep])
     return np.concatenate([stays, moves], axis=1)
