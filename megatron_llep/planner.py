@@ -541,7 +541,8 @@ def _least_loaded_assignment(
         load = expert_loads[e]
         n = e // local
         effective[n] -= load
-        keep = min(load, max(0, math.floor(capacity - effective[n])))
+        room = floor(capacity - effective[n])
+        keep = load if room >= load else (room if room > 0 else 0)
         if keep == load or (load - keep < m and effective[n] + load <= slack_limit):
             effective[n] += load
             continue
@@ -592,7 +593,7 @@ def _least_loaded_assignment(
                 parts[n] = parts.get(n, 0) + remaining
                 effective[n] += remaining
                 remaining = 0
-        if set(parts) != {n}:
+        if len(parts) > 1 or n not in parts:
             splits[e] = sorted(parts.items())
     return splits
 
