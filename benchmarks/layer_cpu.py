@@ -1,7 +1,7 @@
 """Real multi-process MoE layer benchmark on CPU: Megatron's stock alltoall dispatcher (plain EP) and
 LLEP side by side in the same gloo run, P = 2, SPEC shapes scaled to fit two cores.
 
-    python benchmarks/layer_cpu.py [--quick] [--out results/layer_cpu.json]
+    python benchmarks/layer_cpu.py [--quick] [--shape deepseek-v3] [--out results/layer_cpu.json]
 
 Per layer shape and scenario it reports the forward wall-clock time of both (fastest of the
 repeats, slowest rank; EP and LLEP alternate; the minimum filters the CPU steal of a shared VM),
@@ -27,6 +27,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -239,14 +240,18 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
     return rows
 
 
-def grid(quick: bool, smoke: bool = False) -> list[Point]:
+def grid(quick: bool, smoke: bool = False, shape_names: Optional[list[str]] = None) -> list[Point]:
+    """The run's points; ``shape_names`` keeps only those layer shapes (their names without ``/cpu``)."""
     if smoke:  # seconds, for the test suite: tiny widths, two scenarios
         tiny = replace(CPU_SHAPES[0], hidden=32, ffn=32, tokens_per_gpu=128)
         return [Point(tiny, BALANCED, min_chunk_tokens=4), Point(tiny, Scenario(0.95, 16), min_chunk_tokens=4)]
-    shapes = CPU_SHAPES[:1] if quick else CPU_SHAPES
+    if shape_names:
+        shapes = tuple(s for s in CPU_SHAPES if s.name.removesuffix("/cpu") in shape_names)
+    else:
+        shapes = CPU_SHAPES[:1] if quick else CPU_SHAPES
     scenarios = (BALANCED, Scenario(0.95, 1), Scenario(0.95, 16)) if quick else SCENARIOS
     points = [Point(s, sc) for s in shapes for sc in scenarios]
-    if quick:
+    if quick or shape_names:
         return points
     # 95% into the 16 experts of one rank: clearly imbalanced at P = 2 (max/mean ~1.9)
     base, hot = CPU_SHAPES[0], Scenario(0.95, 16)
@@ -270,6 +275,8 @@ def grid(quick: bool, smoke: bool = False) -> list[Point]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, three scenarios, no ablations")
+    parser.add_argument("--shape", action="append", choices=[s.name.removesuffix("/cpu") for s in CPU_SHAPES],
+                        help="only this layer shape, no ablations (repeat for several; with --quick, three scenarios)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, two scenarios (checks the script)")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--out", default="results/layer_cpu.json")
@@ -277,7 +284,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from megatron_llep.testing.distributed import run_distributed
 
-    points = grid(args.quick, args.smoke)
+    points = grid(args.quick, args.smoke, args.shape)
     print(f"{len(points)} points on {EP_SIZE} gloo ranks, {args.repeats} repeats each")
     partial = args.out + ".partial.jsonl"
     if os.path.exists(partial):
@@ -298,7 +305,7 @@ def main() -> None:
     ]
     print_table(rows, columns)
     write_results(args.out, "layer_cpu", rows, {"ep_size": EP_SIZE, "repeats": args.repeats, "quick": args.quick, "smoke": args.smoke,
-                                                 "min_chunk_tokens": MIN_CHUNK, "shapes": CPU_SHAPES})
+                                                 "only_shapes": args.shape, "min_chunk_tokens": MIN_CHUNK, "shapes": CPU_SHAPES})
 
 
 if __name__ == "__main__":
