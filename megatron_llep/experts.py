@@ -60,6 +60,12 @@ class ExpertAdapter(ABC):
     def substitute(self, borrowed: Sequence[Tensors]) -> dict[str, torch.Tensor]:
         """Parameter overrides that put up to ``num_local_experts`` borrowed experts in slots 0.."""
 
+    def group_counts(self, counts: list[int]) -> torch.Tensor:
+        """The experts module's ``tokens_per_expert`` for one call on ``len(counts)`` borrowed
+        experts: padded with empty slots to ``num_local_experts`` (a grouped GEMM takes one count
+        per slot)."""
+        return torch.tensor(counts + [0] * (self.num_local_experts - len(counts)))
+
     def tensor_specs(self) -> list[tuple[torch.Size, torch.dtype]]:
         """Shapes and dtypes of one expert's tensors (the same for every expert of the layer)."""
         return [(t.shape, t.dtype) for t in self.expert_tensors(0)]
@@ -99,12 +105,12 @@ class ExpertAdapter(ABC):
             group = borrowed[start : start + local]
             group_counts = counts[local + start : local + start + len(group)]
             group_rows = sum(group_counts)
-            padded = torch.tensor(group_counts + [0] * (local - len(group)))
             with _unfused_weight_grads(self.experts):
                 out, _ = torch.func.functional_call(
                     self.experts,
                     self.substitute(group),
-                    (hidden[rows : rows + group_rows], padded, probs[rows : rows + group_rows]),
+                    (hidden[rows : rows + group_rows], self.group_counts(group_counts),
+                     probs[rows : rows + group_rows]),
                     strict=False,
                 )
             outputs.append(out)
@@ -128,6 +134,11 @@ class SequentialMLPAdapter(ExpertAdapter):
 
     def main_grads(self, local_index: int) -> list[Optional[torch.Tensor]]:
         return [getattr(p, "main_grad", None) for p in self._params(local_index)]
+
+    def group_counts(self, counts: list[int]) -> torch.Tensor:
+        """Unpadded: SequentialMLP runs one MLP per count it is given (its loop zips the experts
+        with the count list), so empty padding slots would each still run their GEMMs."""
+        return torch.tensor(counts)
 
     def substitute(self, borrowed: Sequence[Tensors]) -> dict[str, torch.Tensor]:
         return {
