@@ -651,10 +651,11 @@ def _transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> n
 
     ``splits`` is ``[4, rows]`` from :func:`_split_rows` (slot, expert, destination, tokens): how
     many tokens each destination computes; ``experts[slot]`` is the slot's expert. Returns
-    ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own routed tokens; the rest of every slot's supply is
-    matched to the rest of its demand in rank order (north-west corner) — all slots at once, since
-    the running sums of supply and demand meet at every slot boundary. Ranks are numbered node by
-    node, so this keeps traffic inside nodes where it can.
+    ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own
+    routed tokens; the rest of every slot's supply is matched to the rest of its demand in rank
+    order (north-west corner) — all slots at once, since the running sums of supply and demand
+    meet at every slot boundary. Ranks are numbered node by node, so this keeps traffic inside
+    nodes where it can.
     """
     slot, split_expert, split_dst, split_tokens = splits
     ep = counts.shape[0]
