@@ -20,8 +20,9 @@ CUDA and process-group start, ~20 s):
    CUDA events, for plain EP, for LLEP and for the force-balanced ideal; the LLEP plan is made by
    the library's planner with a cost model calibrated on this GPU's GEMMs (training mode) at each
    link bandwidth. Communication is priced (one GPU cannot measure NVLink) at 200, 300 and
-   400 GB/s per direction (``--links``): layer = dispatch + slowest rank's GEMMs + combine, twice
-   the communication for forward+backward. Peak memory per rank is ``max_memory_allocated`` over
+   400 GB/s per direction (``--links``): layer = dispatch + slowest rank's GEMMs + combine + the
+   predicted wait for borrowed weights beyond the GEMMs (they arrive in waves), twice the
+   communication for forward+backward. Peak memory per rank is ``max_memory_allocated`` over
    its tokens, activations and gradients, plus its borrowed weights.
 2. ``correctness``, bf16 (~15 s): a borrowed slot against the same expert run natively, through
    the library's own ExpertAdapter substitution (megatron_llep/experts.py): outputs, input
@@ -523,6 +524,13 @@ def _link_model(gbps: float) -> CostModel:
     return CostModel(intra_node_gbps=gbps)  # only its link terms price the plans' traffic
 
 
+def _comm_s(predicted: dict) -> float:
+    """A plan's priced communication: the two token all-to-alls and the time a helper waits for
+    borrowed weights beyond its GEMMs (plan_model.predict: weights arrive in waves while the native
+    and earlier borrowed experts run)."""
+    return predicted["dispatch_s"] + predicted["weights_wait_s"] + predicted["combine_s"]
+
+
 def grid_setup(ctx: Context, shape, state: dict) -> dict:
     """Calibrate, plan every scenario at every link, size the emulator, measure the ideal."""
     ep = ctx.args.ep
@@ -554,7 +562,7 @@ def grid_setup(ctx: Context, shape, state: dict) -> dict:
     links = []
     for gbps in ctx.links:
         comm = ctx.predict(ideal, shape, _link_model(gbps))
-        comm_s = comm["dispatch_s"] + comm["combine_s"]
+        comm_s = _comm_s(comm)
         links.append({"gbps": gbps, "ideal_fwd_ms": _ms(comm_s + measured["fwd_s"]),
                       "ideal_fwd_bwd_ms": _ms(2 * comm_s + measured["fwd_bwd_s"])})
     state["ideal_links"] = {link["gbps"]: link for link in links}
@@ -579,8 +587,7 @@ def grid_row(ctx: Context, shape, scenario, state: dict) -> dict:
         llep_m = _measure_plan(ctx, state, llep)
         model = _link_model(gbps)
         p_ep, p_llep = ctx.predict(ep_plan, shape, model), ctx.predict(llep, shape, model)
-        comm_ep = p_ep["dispatch_s"] + p_ep["combine_s"]
-        comm_llep = p_llep["dispatch_s"] + p_llep["combine_s"]
+        comm_ep, comm_llep = _comm_s(p_ep), _comm_s(p_llep)
         ideal = state["ideal_links"][gbps]
         ep_fwd, llep_fwd = comm_ep + ep_m["fwd_s"], comm_llep + llep_m["fwd_s"]
         ep_fb, llep_fb = 2 * comm_ep + ep_m["fwd_bwd_s"], 2 * comm_llep + llep_m["fwd_bwd_s"]
@@ -1038,8 +1045,8 @@ class Pipeline:
             model = _link_model(gbps)
             p_ep, p_llep = ctx.predict(ep_plan, self.shape, model), ctx.predict(plan, self.shape, model)
             links.append({
-                "gbps": gbps, "ep_layer_comm_fwd_ms": _ms(p_ep["dispatch_s"] + p_ep["combine_s"]),
-                "llep_layer_comm_fwd_ms": _ms(p_llep["dispatch_s"] + p_llep["combine_s"]),
+                "gbps": gbps, "ep_layer_comm_fwd_ms": _ms(_comm_s(p_ep)),
+                "llep_layer_comm_fwd_ms": _ms(_comm_s(p_llep)),
                 "rank_dispatch_ms": _ms(_link_time(bytes_out, bytes_in, gbps)),
                 "rank_combine_ms": _ms(_link_time(in_rows * es.token_bytes, out_rows * es.token_bytes, gbps)),
             })

@@ -13,8 +13,10 @@ scenarios: every rank of the first node sends ``f`` of its tokens to ``h`` exper
 Time model (documented in docs/benchmarks.md): a layer is dispatch all-to-all, expert GEMMs, combine
 all-to-all. A rank's link time is latency + max(bytes out, bytes in) / bandwidth, intra-node and
 inter-node links in parallel (8 ranks per node); GEMM time is the cost model's per-expert
-roofline with a small-GEMM ramp; the layer takes the slowest rank in every phase. The ideal is the
-same layer with balanced routing (every expert gets the mean load).
+roofline with a small-GEMM ramp. Each rank runs its native experts first, then its borrowed ones
+wave by wave as their weights arrive (weights counted on the links after the tokens); the
+all-to-alls and the compute phase take their slowest rank. The ideal is the same layer with
+balanced routing (every expert gets the mean load).
 """
 
 from __future__ import annotations
@@ -43,7 +45,13 @@ def _phase_time(out_bytes: np.ndarray, in_bytes: np.ndarray, model: CostModel, i
 
 
 def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel) -> dict:
-    """Predicted phase times, traffic and per-rank activation memory of one plan."""
+    """Predicted phase times, traffic and per-rank activation memory of one plan, rank by rank.
+
+    A rank runs its native experts once the tokens are in, then its borrowed experts wave by wave:
+    a native rank sends each helper its first copy in wave 0, the second in wave 1, then 2, 4 ...
+    copies per wave; a wave arrives once its link (the native rank's out, the helper's in, whichever
+    is busier) has carried the tokens and this and the earlier waves' copies.
+    """
     ep = plan.ep_size
     es = expert_shape(shape)
     node = np.arange(ep) // RANKS_PER_NODE
@@ -53,17 +61,44 @@ def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel) -> dict:
     crossing = node[src] != node[dst]
     token_out = {inter: np.bincount(src[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * es.token_bytes for inter in (False, True)}
     token_in = {inter: np.bincount(dst[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * es.token_bytes for inter in (False, True)}
-    w_cross = node[plan.transfer_native] != node[plan.transfer_helper]
-    weight_out = {inter: np.bincount(plan.transfer_native[w_cross == inter], minlength=ep) * es.weight_bytes for inter in (False, True)}
-    weight_in = {inter: np.bincount(plan.transfer_helper[w_cross == inter], minlength=ep) * es.weight_bytes for inter in (False, True)}
-    dispatch = max(_phase_time(token_out[i] + weight_out[i], token_in[i] + weight_in[i], model, i) for i in (False, True))
+    dispatch = max(_phase_time(token_out[i], token_in[i], model, i) for i in (False, True))
     combine = max(_phase_time(token_in[i], token_out[i], model, i) for i in (False, True))
 
-    compute = np.zeros(ep)
     per_slot = np.zeros((plan.num_experts, ep), np.int64)
     np.add.at(per_slot, (chunks[:, 0], dst), count)
+    native_rank = plan.native_rank
+    gemms = np.zeros(ep)  # every GEMM of a rank
+    own = np.zeros(ep)  # its native experts' GEMMs
     for e, d in zip(*np.nonzero(per_slot)):
-        compute[d] += model.gemm_time(int(per_slot[e, d]), es)
+        t = model.gemm_time(int(per_slot[e, d]), es)
+        gemms[d] += t
+        if native_rank[e] == d:
+            own[d] += t
+    # copies of each (native, helper) pair in expert order: the d-th travels in wave d.bit_length()
+    copies = sorted(zip(plan.transfer_native.tolist(), plan.transfer_helper.tolist(), plan.transfer_expert.tolist()))
+    depth: dict[tuple[int, int], int] = {}
+    waves = []
+    for n, h, e in copies:
+        d = depth.get((n, h), 0)
+        depth[(n, h)] = d + 1
+        waves.append((n, h, e, d.bit_length()))
+    end = dispatch + own  # each rank's native experts run first
+    borrowed: dict[int, dict[int, float]] = {}
+    arrival: dict[tuple[int, int], float] = {}
+    for n, h, e, w in waves:
+        inter = bool(node[n] != node[h])
+        sent = sum(1 for n2, h2, _, w2 in waves if n2 == n and w2 <= w and bool(node[n2] != node[h2]) == inter)
+        got = sum(1 for n2, h2, _, w2 in waves if h2 == h and w2 <= w and bool(node[n2] != node[h2]) == inter)
+        busy = max(token_out[inter][n] + sent * es.weight_bytes, token_in[inter][h] + got * es.weight_bytes)
+        arrival[(h, w)] = max(arrival.get((h, w), 0.0), model.link_time(busy, inter))
+        borrowed.setdefault(h, {})
+        borrowed[h][w] = borrowed[h].get(w, 0.0) + model.gemm_time(int(per_slot[e, h]), es)
+    for h, per_wave in borrowed.items():
+        t = end[h]
+        for w in sorted(per_wave):
+            t = max(t, arrival[(h, w)]) + per_wave[w]
+        end[h] = t
+    compute = float(end.max()) - dispatch
     # Activation memory kept for backward per computed token-expert pair: expert input (D), fc1
     # output (2H), activation (H), expert output (D); plus borrowed weights.
     act_bytes = (2 * shape.hidden + 3 * shape.ffn) * es.dtype_bytes
@@ -71,9 +106,10 @@ def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel) -> dict:
     memory = tokens_here * act_bytes + np.bincount(plan.transfer_helper, minlength=ep) * es.weight_bytes
     return {
         "dispatch_s": dispatch,
-        "compute_s": float(compute.max()),
+        "compute_s": compute,
         "combine_s": combine,
-        "layer_s": dispatch + float(compute.max()) + combine,
+        "layer_s": dispatch + compute + combine,
+        "weights_wait_s": compute - float(gemms.max()),  # the compute phase beyond the slowest rank's GEMMs
         "token_bytes": int(count[remote].sum()) * es.token_bytes * 2,
         "weight_bytes": plan.num_weight_transfers * es.weight_bytes,
         "peak_act_bytes": int(memory.max()),

@@ -324,14 +324,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         step.rank_plan = plan.rank_view(self.ep_rank)
         step.send_columns = _SendColumns(step.rank_plan, device)
         step.recv_perm = _RowPermutation.recv_order(step.rank_plan, device)
-        exchange = ExpertWeightExchange(
-            self.weight_group,
-            self.adapter,
-            self.local_expert_indices[0],
-            step.rank_plan.weights_to_send,
-            step.rank_plan.weights_to_receive,
-            device,
-        )
+        exchange = ExpertWeightExchange(self.weight_group, self.adapter, self.local_expert_indices[0], step.rank_plan, device)
         step.exchange = exchange if exchange.active else None
         return step
 

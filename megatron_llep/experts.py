@@ -92,18 +92,21 @@ class ExpertAdapter(ABC):
         tokens_per_slot: Sequence[int],
         probs: torch.Tensor,
         borrowed: Sequence[Tensors],
+        first_slot: Optional[int] = None,
     ) -> list[torch.Tensor]:
-        """Each borrowed expert's slot (after the native ones) through the experts module with the
-        borrowed weights substituted, ``num_local_experts`` experts per call."""
+        """The slots ``first_slot ..`` (default: right after the native ones) through the experts
+        module with ``borrowed``'s weights substituted, ``num_local_experts`` experts per call."""
         local = self.num_local_experts
+        first = local if first_slot is None else first_slot
         counts = [int(c) for c in tokens_per_slot]
-        if len(counts) != local + len(borrowed):
-            raise ValueError(f"{len(counts)} slot counts for {local} native and {len(borrowed)} borrowed experts")
-        rows = sum(counts[:local])
+        if first < local or first + len(borrowed) > len(counts):
+            raise ValueError(f"{len(counts)} slot counts cannot hold {len(borrowed)} borrowed experts from slot {first} "
+                             f"({local} native slots)")
+        rows = sum(counts[:first])
         outputs = []
         for start in range(0, len(borrowed), local):
             group = borrowed[start : start + local]
-            group_counts = counts[local + start : local + start + len(group)]
+            group_counts = counts[first + start : first + start + len(group)]
             group_rows = sum(group_counts)
             with _unfused_weight_grads(self.experts):
                 out, _ = torch.func.functional_call(

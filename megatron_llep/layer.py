@@ -85,13 +85,18 @@ class LLEPMoELayer(MoELayer):
         exchange = dispatcher.weight_exchange
         if exchange is not None:
             hidden = exchange.attach(hidden)
-        # native experts first, while the borrowed weights may still be in flight
+        # native experts first, while the borrowed weights may still be in flight; then each wave
+        # of borrowed experts as soon as its weights are in
         output = self.expert_adapter.forward_native(hidden, counts, slot_probs)
-        borrowed = []
+        borrowed_outputs = []
         if exchange is not None:
-            output, borrowed = exchange.finish(output)
-        outputs = [output, *self.expert_adapter.forward_borrowed(hidden, counts, slot_probs, borrowed)]
-        return dispatcher.combine_preprocess(torch.cat(outputs, dim=0)), None
+            slot = self.num_local_experts
+            for wave in exchange.waves:
+                output, borrowed = exchange.finish_wave(wave, output)
+                if borrowed:
+                    borrowed_outputs += self.expert_adapter.forward_borrowed(hidden, counts, slot_probs, borrowed, slot)
+                    slot += len(borrowed)
+        return dispatcher.combine_preprocess(torch.cat([output, *borrowed_outputs], dim=0)), None
 
 
 def with_llep(spec: Any, llep_config: Optional[LLEPConfig] = None) -> Any:

@@ -52,8 +52,10 @@ class RankPlan:
     ``send_counts[e, dst]``: tokens of expert ``e`` this rank sends to ``dst`` (itself included);
     ``recv_counts[src, e]``: tokens of expert ``e`` this rank receives from ``src``;
     ``slot_experts``: experts this rank computes, its ``M`` native experts first, then borrowed
-    ones in ascending id; ``tokens_per_slot`` their token counts;
-    ``weights_to_send``: ``(expert, helper)`` pairs; ``weights_to_receive``: ``(expert, native)``.
+    ones in arrival order (by wave, then id); ``tokens_per_slot`` their token counts;
+    ``weights_to_send``: ``(expert, helper)`` pairs in sending order (by wave, helper, id);
+    ``weights_to_receive``: ``(expert, native)`` pairs in slot order; ``send_waves`` and
+    ``receive_waves``: each pair's wave (:func:`copy_waves`).
     """
 
     rank: int
@@ -63,6 +65,8 @@ class RankPlan:
     tokens_per_slot: np.ndarray
     weights_to_send: list[tuple[int, int]]
     weights_to_receive: list[tuple[int, int]]
+    send_waves: list[int] = field(default_factory=list)
+    receive_waves: list[int] = field(default_factory=list)
 
     @property
     def input_splits(self) -> np.ndarray:
@@ -109,10 +113,11 @@ class LLEPPlan:
     chunk_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     chunk_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     chunk_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    # Weight copies: (expert, native, helper).
+    # Weight copies: (expert, native, helper) and the wave each travels in (:func:`copy_waves`).
     transfer_expert: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_native: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_helper: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    transfer_wave: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def ep_size(self) -> int:
@@ -179,18 +184,21 @@ class LLEPPlan:
             np.add.at(send, (self.chunk_expert[out], self.chunk_dst[out]), self.chunk_count[out])
             into = self.chunk_dst == rank
             np.add.at(recv, (self.chunk_src[into], self.chunk_expert[into]), self.chunk_count[into])
-        transfers = list(zip(self.transfer_expert.tolist(), self.transfer_native.tolist(), self.transfer_helper.tolist()))
-        sends = sorted((e, h) for e, n, h in transfers if n == rank)
-        receives = sorted((e, n) for e, n, h in transfers if h == rank)
-        slots = np.concatenate([np.arange(mine.start, mine.stop), np.array([e for e, _ in receives], np.int64)])
+        transfers = list(zip(self.transfer_wave.tolist(), self.transfer_expert.tolist(),
+                             self.transfer_native.tolist(), self.transfer_helper.tolist()))
+        sends = sorted((w, h, e) for w, e, n, h in transfers if n == rank)
+        receives = sorted((w, e, n) for w, e, n, h in transfers if h == rank)
+        slots = np.concatenate([np.arange(mine.start, mine.stop), np.array([e for _, e, _ in receives], np.int64)])
         return RankPlan(
             rank=rank,
             send_counts=send,
             recv_counts=recv,
             slot_experts=slots.astype(np.int64),
             tokens_per_slot=recv[:, slots].sum(axis=0),
-            weights_to_send=sends,
-            weights_to_receive=receives,
+            weights_to_send=[(e, h) for _, h, e in sends],
+            weights_to_receive=[(e, n) for _, e, n in receives],
+            send_waves=[w for w, _, _ in sends],
+            receive_waves=[w for w, _, _ in receives],
         )
 
 
@@ -198,18 +206,25 @@ class LayerTimeModel:
     """The layer time a :class:`CostModel` predicts for a plan: the quantity cost-aware planning
     minimises.
 
-    ``dispatch + compute + combine``, each phase taking its slowest rank:
+    ``dispatch + compute + combine``, as the implementation runs them:
 
-    * compute: a rank runs one GEMM per expert it computes (native or borrowed) with tokens,
-      ``CostModel.gemm_time(tokens)`` each, one after another;
-    * dispatch: a rank's link time is ``CostModel.link_time(max(bytes out, bytes in))`` of the
-      tokens and weight copies it sends and receives; links inside a node and across nodes are
-      separate and run in parallel, as do all ranks' links, so the phase takes the slowest link;
-    * combine: the same with the tokens only, in reverse.
+    * dispatch and combine: the token all-to-all. A rank's link time is
+      ``CostModel.link_time(max(bytes out, bytes in))``; links inside a node and across nodes are
+      separate and run in parallel, as do all ranks' links, so a phase takes the slowest link;
+    * compute: a rank runs one GEMM per expert it computes with tokens,
+      ``CostModel.gemm_time(tokens)`` each, its native experts first (from the end of the
+      dispatch), then its borrowed ones wave by wave (:func:`copy_waves`), each wave once its
+      weights have arrived. A wave's weight copies share their native rank's and helper's links
+      with the tokens; counted after the tokens, and after the earlier waves, they arrive at
+      ``link_time(tokens + copies of this and earlier waves)`` of the busier of the two links. The
+      phase ends with the last rank's last GEMM. (A native rank's sends end before the last GEMM
+      of the wave they carry, so they never extend it.)
 
     With ``cost_model.training`` bytes count twice (activations and their gradients, weights and
-    their gradients) and GEMMs three times (forward and backward). ``ranks_per_node=None`` puts all
-    EP ranks in one node. Built once per count matrix; pricing a plan is a few vector operations.
+    their gradients) and GEMMs three times (forward and backward): the backward mirrors the
+    forward, the gradients of the first wave returning last while the native rank's own backward
+    runs. ``ranks_per_node=None`` puts all EP ranks in one node. Built once per count matrix;
+    pricing a plan is a few vector operations.
     """
 
     def __init__(
@@ -293,9 +308,11 @@ class LayerTimeModel:
         owner = native[spilled]
         slot_base = slot_candidate * ep
         row_base = slot_base[slot]
-        # Compute: each spilled expert's GEMM leaves its native rank; its parts' GEMMs are added.
+        gemm = self.gemm_a + self.gemm_b * split_tokens
+        copy = split_dst != native[split_expert]
+        # GEMMs: each spilled expert's leaves its native rank; its parts' are added where they run.
         compute = self.ep_compute - np.bincount(slot_base + owner, self.expert_gemm[spilled], k * ep).reshape(k, ep)
-        compute += np.bincount(row_base + split_dst, self.gemm_a + self.gemm_b * split_tokens, k * ep).reshape(k, ep)
+        compute += np.bincount(row_base + split_dst, gemm, k * ep).reshape(k, ep)
         # Tokens: take the spilled experts' plain-EP traffic out, put the plan's chunks in.
         moved = self._counts[:, spilled]
         moved[owner, np.arange(spilled.size)] = 0
@@ -308,21 +325,31 @@ class LayerTimeModel:
                               - np.bincount((index + ranks[:, None]).ravel(), moved, size)).reshape(k, 2, ep)
         into = self._ep_in + (np.bincount(chunk_index + dst, count, size)
                               - np.bincount((index + owner).ravel(), moved, size)).reshape(k, 2, ep)
-        out *= self.token_bytes
-        into *= self.token_bytes
-        tokens = np.maximum(out.max(axis=2), into.max(axis=2))
-        # Weights: one copy native -> helper per (expert, helper), sent in the dispatch phase.
-        copy = split_dst != native[split_expert]
-        weight_src, weight_dst = native[split_expert[copy]], split_dst[copy]
-        index = 2 * row_base[copy] + self._cross[weight_src, weight_dst]
-        out += np.bincount(index + weight_src, minlength=size).reshape(k, 2, ep) * self.weight_bytes
-        into += np.bincount(index + weight_dst, minlength=size).reshape(k, 2, ep) * self.weight_bytes
-        peak = np.maximum(out.max(axis=2), into.max(axis=2))
+        out = out.ravel() * self.token_bytes
+        into = into.ravel() * self.token_bytes
+        peak = np.maximum(out, into).reshape(k, 2, ep).max(axis=2)
         link_time = self.cost_model.link_time
-        return [
-            (max(link_time(intra, False), link_time(inter, True)), slowest, max(link_time(a, False), link_time(b, True)))
-            for (intra, inter), slowest, (a, b) in zip(peak.tolist(), compute.max(axis=1).tolist(), tokens.tolist())
-        ]
+        tokens = [max(link_time(intra, False), link_time(inter, True)) for intra, inter in peak.tolist()]
+        latest = np.array(tokens) + compute.max(axis=1)  # no rank waited for weights
+        # Weights: the borrowed GEMMs of each wave start once the wave's copies are in.
+        helper, giver, base = split_dst[copy], native[split_expert[copy]], row_base[copy]
+        wave = copy_waves(base * ep + giver * ep + helper)
+        waves = int(wave.max()) + 1 if wave.size else 0
+        if waves:
+            inter = self._cross[giver, helper]
+            link = 2 * base + inter
+            sent = np.bincount((link + giver) * waves + wave, minlength=size * waves).reshape(size, waves).cumsum(axis=1)
+            got = np.bincount((link + helper) * waves + wave, minlength=size * waves).reshape(size, waves).cumsum(axis=1)
+            busy = np.maximum(out[link + giver] + sent[link + giver, wave] * self.weight_bytes,
+                              into[link + helper] + got[link + helper, wave] * self.weight_bytes)
+            model = self.cost_model
+            arrival = model.link_latency_s + busy / (np.where(inter > 0, model.inter_node_gbps, model.intra_node_gbps) * 1e9)
+            # a wave's GEMMs and every later wave's run back to back once it has arrived
+            per_wave = np.bincount((base + helper) * waves + wave, gemm[copy], k * ep * waves).reshape(k * ep, waves)
+            remaining = per_wave[:, ::-1].cumsum(axis=1)[:, ::-1]
+            finish = arrival + remaining[base + helper, wave]
+            np.maximum.at(latest, base // ep, finish)
+        return [(t, end - t, t) for t, end in zip(tokens, latest.tolist())]
 
 
 @functools.lru_cache(maxsize=64)
@@ -628,6 +655,7 @@ def _build_plan(
     np.subtract.at(after, spilled // local, loads[spilled])
     np.add.at(after, split_dst, split_tokens)
     helpers = split_dst != native
+    copy_native, copy_helper = native[helpers], split_dst[helpers]
     return LLEPPlan(
         counts=counts,
         num_local_experts=local,
@@ -641,9 +669,25 @@ def _build_plan(
         chunk_dst=chunks[2],
         chunk_count=chunks[3],
         transfer_expert=split_expert[helpers],
-        transfer_native=native[helpers],
-        transfer_helper=split_dst[helpers],
+        transfer_native=copy_native,
+        transfer_helper=copy_helper,
+        transfer_wave=copy_waves(copy_native * before.size + copy_helper),
     )
+
+
+def copy_waves(pair: np.ndarray) -> np.ndarray:
+    """The wave of each weight copy, given its (native, helper) ``pair`` key, copies in expert order.
+
+    A native rank sends its copies in waves, each helper's first copy in wave 0, its second in
+    wave 1, then 2, 4, 8 ... copies per wave (the ``d``-th copy goes in wave ``d.bit_length()``): a
+    helper starts on its first borrowed expert while the rest arrive, and a layer has only about
+    ``log2`` of the copies per helper waves (one P2P batch and one borrowed GEMM call each)."""
+    order = np.argsort(pair, kind="stable")
+    ordered = pair[order]
+    first = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    depth = np.empty_like(pair)
+    depth[order] = np.arange(pair.size) - np.repeat(first, np.diff(np.append(first, pair.size)))
+    return np.frexp(depth)[1].astype(np.int64)
 
 
 def _transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np.ndarray:

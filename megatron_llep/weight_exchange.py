@@ -1,19 +1,24 @@
 """Borrowed expert weights: native -> helper in forward, their gradients helper -> native in backward.
 
 Forward: :meth:`ExpertWeightExchange.start` posts the P2P sends/receives on a communicator of their
-own (:func:`weight_exchange_group`) before the token all-to-all; the native experts run while they
-travel; :meth:`finish` then waits and hands out the received weights through an autograd function.
+own (:func:`weight_exchange_group`) before the token all-to-all, one batch per wave
+(:func:`megatron_llep.planner.copy_waves`: each helper's first copy, its second, then 2, 4 ...); the
+native experts run while they travel; :meth:`finish_wave` then waits for one wave and hands out its
+weights through an autograd function, so the helper computes a wave's experts while the later
+waves are still on the wire.
 
 Backward: each borrowed weight's gradient goes back to the native rank, which adds it to the
 native expert's gradient — into ``main_grad`` directly under Megatron DDP (its hooks may already
-be ignoring ``param.grad`` for fused wgrad), otherwise into ``param.grad`` through autograd. Two
-autograd nodes do it: the one on the native experts' output (:meth:`ExpertWeightExchange.finish`)
-posts the transfers as soon as the borrowed experts' backward is done, the one on the experts'
-input (:meth:`ExpertWeightExchange.attach`) waits for them after the native experts' backward. So
-the transfer overlaps the native backward, and both nodes run, on every participating rank,
-strictly between the combine and the dispatch all-to-all backward of the same layer: the gradient
-return can never deadlock against them. The lent experts' parameters are inputs of the second
-node, so Megatron DDP's gradient hooks on them fire only after the returned gradients are added.
+be ignoring ``param.grad`` for fused wgrad), otherwise into ``param.grad`` through autograd. The
+wave nodes (:meth:`finish_wave`, chained, so they run last wave first on every rank) post each
+wave's transfers as soon as its borrowed experts' backward is done; the node on the experts' input
+(:meth:`attach`) waits for them after the native experts' backward. So the transfers overlap the
+backward, and every node runs, on every participating rank, strictly between the combine and the
+dispatch all-to-all backward of the same layer: the gradient return can never deadlock against
+them. Every rank posts its waves in one global order (ascending in forward, descending in
+backward) and both sides of a (native, helper) pair list their copies alike, so the P2P batches
+match under NCCL as under gloo. The lent experts' parameters are inputs of the input node, so
+Megatron DDP's gradient hooks on them fire only after the returned gradients are added.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_llep.experts import ExpertAdapter
+from megatron_llep.planner import RankPlan
 
 
 _WEIGHT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -32,10 +38,18 @@ _WEIGHT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 def weight_exchange_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A communicator over the same ranks as ``ep_group``, one per EP group and process. Created
     by the group's members only (``use_local_synchronization``), when their first LLEP layer is
-    built: every member builds the same layers, so they all get here together."""
+    built: every member builds the same layers, so they all get here together.
+
+    Its first operation is an all-reduce of all members: a batched P2P that is a communicator's
+    first operation must include all its ranks (``torch.distributed.batch_isend_irecv``; under NCCL
+    the lazy communicator set-up would hang), and a step's weight copies involve only some."""
     ranks = tuple(dist.get_process_group_ranks(ep_group))
     if ranks not in _WEIGHT_GROUPS:
-        _WEIGHT_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        on_gpu = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        _WEIGHT_GROUPS[ranks] = group
     return _WEIGHT_GROUPS[ranks]
 
 
@@ -47,15 +61,18 @@ class ExpertWeightExchange:
         group: dist.ProcessGroup,
         adapter: ExpertAdapter,
         first_local_expert: int,
-        weights_to_send: list[tuple[int, int]],
-        weights_to_receive: list[tuple[int, int]],
+        rank_plan: RankPlan,
         device: torch.device,
     ) -> None:
         self.group = group
         self.adapter = adapter
         self.first_local_expert = first_local_expert
-        self.sends = list(weights_to_send)
-        self.receives = list(weights_to_receive)
+        self.sends = list(rank_plan.weights_to_send)
+        self.receives = list(rank_plan.weights_to_receive)
+        self.send_waves = list(rank_plan.send_waves)
+        self.receive_waves = list(rank_plan.receive_waves)
+        # this rank's waves, ascending: the order every rank posts (and its layer computes) them in
+        self.waves = sorted(set(self.send_waves) | set(self.receive_waves))
         self.sent_experts = sorted({expert for expert, _ in self.sends})
         specs = adapter.tensor_specs()
         self.specs = specs
@@ -63,10 +80,13 @@ class ExpertWeightExchange:
             expert: [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
             for expert, _ in self.receives
         }
-        self._pending: list = []
+        self._pending: dict[int, list] = {}
         self._posted = False
-        # backward: (pending transfers, gradients being sent, received gradients per lent expert)
-        self._gradient_transfer: Optional[tuple[list, list[torch.Tensor], dict[int, list[list[torch.Tensor]]]]] = None
+        # backward: pending transfers, gradients being sent (kept alive), received gradients per lent expert
+        self._gradient_works: list = []
+        self._gradients_out: list[torch.Tensor] = []
+        self._gradients_in: dict[int, list[list[torch.Tensor]]] = {}
+        self._gradient_waves_posted = 0
 
     @property
     def active(self) -> bool:
@@ -78,20 +98,29 @@ class ExpertWeightExchange:
     def _native_tensors(self, expert: int) -> list[torch.Tensor]:
         return self.adapter.expert_tensors(expert - self.first_local_expert)
 
+    def _wave_sends(self, wave: int) -> list[tuple[int, int]]:
+        return [pair for pair, w in zip(self.sends, self.send_waves) if w == wave]
+
+    def _wave_receives(self, wave: int) -> list[int]:
+        """Positions in ``receives`` (slot order) of the wave's borrowed experts."""
+        return [i for i, w in enumerate(self.receive_waves) if w == wave]
+
     def start(self) -> None:
-        """Post the weight sends and receives without waiting (call before the token all-to-all).
-        Once per step: a recomputed forward reuses the weights already received."""
+        """Post the weight sends and receives without waiting, one batch per wave (call before the
+        token all-to-all). Once per step: a recomputed forward reuses the weights already received."""
         if self._posted:
             return
         self._posted = True
-        ops = []
-        for expert, helper in self.sends:
-            for tensor in self._native_tensors(expert):
-                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self._peer(helper), self.group))
-        for expert, native in self.receives:
-            for buffer in self.received[expert]:
-                ops.append(dist.P2POp(dist.irecv, buffer, self._peer(native), self.group))
-        self._pending = dist.batch_isend_irecv(ops) if ops else []
+        for wave in self.waves:
+            ops = []
+            for expert, helper in self._wave_sends(wave):
+                for tensor in self._native_tensors(expert):
+                    ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self._peer(helper), self.group))
+            for i in self._wave_receives(wave):
+                expert, native = self.receives[i]
+                for buffer in self.received[expert]:
+                    ops.append(dist.P2POp(dist.irecv, buffer, self._peer(native), self.group))
+            self._pending[wave] = dist.batch_isend_irecv(ops)
 
     def attach(self, expert_input: torch.Tensor) -> torch.Tensor:
         """Pass the experts' input (native and borrowed slots) through the gradient-return node.
@@ -103,60 +132,62 @@ class ExpertWeightExchange:
         inputs = [t for expert in self.sent_experts for t in self._native_tensors(expert)]
         return _ReturnBorrowedGradients.apply(expert_input, self, *inputs)
 
-    def finish(self, native_output: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-        """Wait for the weights (after the native experts ran); returns ``native_output`` (pass it
-        on) and the borrowed experts' tensors in ``receives`` order, connected to autograd.
+    def finish_wave(self, wave: int, native_output: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """Wait for one wave of weights (call for each of :attr:`waves` in order, after the native
+        experts ran, chaining ``native_output`` through); returns it (pass it on) and the wave's
+        borrowed experts' tensors in slot order, connected to autograd.
 
-        In backward the native output's gradient arrives right after the combine all-to-all's, so
-        this node runs as soon as the borrowed experts' weight gradients exist: it posts their
-        return without waiting, and :meth:`attach`'s node completes it."""
+        In backward each wave's node runs as soon as its borrowed experts' weight gradients exist
+        (last wave first): it posts their return without waiting, and :meth:`attach`'s node
+        completes it."""
         # Tie the outputs to a native parameter so that every rank's borrowed weights require grad
         # exactly when its expert parameters do (a rank that only receives has no other input).
         tie = self._native_tensors(self.first_local_expert)[0]
-        outputs = _BorrowExperts.apply(native_output, tie, self)
+        outputs = _BorrowWave.apply(native_output, tie, self, wave)
         anchor_out, flat = outputs[0], outputs[1:]
         per_expert = len(self.specs)
-        borrowed = [list(flat[i * per_expert : (i + 1) * per_expert]) for i in range(len(self.receives))]
+        borrowed = [list(flat[i * per_expert : (i + 1) * per_expert]) for i in range(len(flat) // per_expert)]
         return anchor_out, borrowed
 
-    def wait(self) -> None:
-        for work in self._pending:
+    def wait(self, wave: int) -> None:
+        for work in self._pending.pop(wave, []):
             work.wait()
-        self._pending = []
 
-    def post_gradients(self, grads: list[Optional[torch.Tensor]]) -> None:
-        """Backward, first half: post the borrowed weights' gradients (``grads`` follow ``receives``)
-        to their native ranks, and the receives of the gradients of the experts this rank lent."""
+    def post_gradients(self, wave: int, grads: list[Optional[torch.Tensor]]) -> None:
+        """Backward, first half: post the gradients of the wave's borrowed weights (``grads`` in
+        slot order) to their native ranks, and the receives of the gradients of the experts this
+        rank lent in that wave."""
         per_expert = len(self.specs)
         ops = []
-        outgoing = []  # kept alive until the sends complete
-        for i, (expert, native) in enumerate(self.receives):
+        for k, i in enumerate(self._wave_receives(wave)):
+            expert, native = self.receives[i]
             for j, buffer in enumerate(self.received[expert]):
-                grad = grads[i * per_expert + j]
+                grad = grads[k * per_expert + j]
                 grad = torch.zeros_like(buffer) if grad is None else grad.contiguous()
-                outgoing.append(grad)
+                self._gradients_out.append(grad)
                 ops.append(dist.P2POp(dist.isend, grad, self._peer(native), self.group))
-        incoming: dict[int, list[list[torch.Tensor]]] = {expert: [] for expert in self.sent_experts}
-        for expert, helper in self.sends:
+        for expert, helper in self._wave_sends(wave):
             buffers = [torch.empty_like(t) for t in self._native_tensors(expert)]
-            incoming[expert].append(buffers)
+            self._gradients_in.setdefault(expert, []).append(buffers)
             for buffer in buffers:
                 ops.append(dist.P2POp(dist.irecv, buffer, self._peer(helper), self.group))
-        self._gradient_transfer = (dist.batch_isend_irecv(ops) if ops else [], outgoing, incoming)
+        self._gradient_works.extend(dist.batch_isend_irecv(ops))
+        self._gradient_waves_posted += 1
 
     def return_gradients(self) -> list[Optional[torch.Tensor]]:
         """Backward, second half: wait for the posted gradient transfers; returns the summed
         gradient for each tensor of ``sent_experts`` (``None`` where it went straight into Megatron
         DDP's ``main_grad``)."""
-        if self._gradient_transfer is None:
+        if self._gradient_waves_posted != len(self.waves):
             raise RuntimeError(
                 "LLEP weight exchange: the borrowed-weight gradients were never posted (the backward of "
                 "the native experts' output did not run before that of the experts' input)"
             )
-        pending, _, incoming = self._gradient_transfer
-        for work in pending:
+        for work in self._gradient_works:
             work.wait()
-        self._gradient_transfer = None
+        incoming = self._gradients_in
+        self._gradient_works, self._gradients_out, self._gradients_in = [], [], {}
+        self._gradient_waves_posted = 0
         per_expert = len(self.specs)
         result: list[Optional[torch.Tensor]] = []
         for expert in self.sent_experts:
@@ -177,20 +208,21 @@ class ExpertWeightExchange:
         return result
 
 
-class _BorrowExperts(torch.autograd.Function):
-    """Identity on the native output; outputs the received weights; backward posts their gradients."""
+class _BorrowWave(torch.autograd.Function):
+    """Identity on the native output; outputs one wave's received weights; backward posts their
+    gradients."""
 
     @staticmethod
-    def forward(ctx, native_output, tie, exchange: ExpertWeightExchange):
-        exchange.wait()
-        ctx.exchange = exchange
-        received = [t for expert, _ in exchange.receives for t in exchange.received[expert]]
+    def forward(ctx, native_output, tie, exchange: ExpertWeightExchange, wave: int):
+        exchange.wait(wave)
+        ctx.exchange, ctx.wave = exchange, wave
+        received = [t for i in exchange._wave_receives(wave) for t in exchange.received[exchange.receives[i][0]]]
         return (native_output.view_as(native_output), *received)
 
     @staticmethod
     def backward(ctx, grad_native_output, *grad_received):
-        ctx.exchange.post_gradients(list(grad_received))
-        return grad_native_output, None, None
+        ctx.exchange.post_gradients(ctx.wave, list(grad_received))
+        return grad_native_output, None, None, None
 
 
 class _ReturnBorrowedGradients(torch.autograd.Function):

@@ -99,8 +99,25 @@ def _drop_returned_gradients():
         ExpertWeightExchange.return_gradients = original
 
 
+@contextlib.contextmanager
+def _reverse_each_wave():
+    """Each wave's received weights go to its borrowed slots in reverse order."""
+    original = ExpertWeightExchange.finish_wave
+
+    def reversed_wave(self, wave, native_output):
+        anchor, borrowed = original(self, wave, native_output)
+        return anchor, borrowed[::-1]
+
+    ExpertWeightExchange.finish_wave = reversed_wave
+    try:
+        yield
+    finally:
+        ExpertWeightExchange.finish_wave = original
+
+
 # Negative controls: each breaks one mapping of LLEP; the comparisons must then fail.
-BROKEN_MAPPINGS = {"wrong_expert_sent": send_a_neighbouring_expert, "gradients_not_returned": _drop_returned_gradients}
+BROKEN_MAPPINGS = {"wrong_expert_sent": send_a_neighbouring_expert, "gradients_not_returned": _drop_returned_gradients,
+                   "wave_slots_reversed": _reverse_each_wave}
 
 
 def _run_layer(layer, x, dy, ids):
@@ -186,6 +203,8 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     errs["weight_bytes"] = stats.weight_bytes if stats is not None else 0
     rank_plan = llep.token_dispatcher.rank_plan if errs["mode"] == "llep" else None
     errs["borrowed_here"] = len(rank_plan.weights_to_receive) if rank_plan is not None else 0
+    exchange = llep.token_dispatcher.weight_exchange if rank_plan is not None else None
+    errs["waves_here"] = [len(exchange._wave_receives(w)) for w in exchange.waves] if exchange is not None else []
     errs["num_local_experts"] = llep.num_local_experts
     weight_group = llep.token_dispatcher.weight_group
     errs["separate_weight_group"] = weight_group is not llep.token_dispatcher.ep_group and (

@@ -32,6 +32,7 @@ def all_cases(ep: int) -> list:
         Case("gpt_oss_biases_unfused", "hot", topk=4, num_hot=2, gpt_oss=True),
         Case("gpt_oss_biases_fused", "hot", topk=4, num_hot=2, gpt_oss=True, fused_bias_act=True),
         Case("borrow_more_than_native", "subset", subset=(0, 1, 2, 3, 4, 5), topk=1, min_chunk_tokens=0),
+        Case("borrowed_in_waves", "hot", num_experts=32, num_hot=16, tokens=(96,) * ep),
         Case("below_lambda_falls_back", "hot", hot_fraction=0.3, imbalance_threshold=10.0, expect_mode="fallback"),
         Case("alpha_1_5", "hot", alpha=1.5, expect_mode="llep" if ep == 4 else "plain"),
         Case(LEGACY_GROUPED_MLP, "hot", topk=2, num_hot=2, grouped_gemm=True),
@@ -47,6 +48,7 @@ def all_cases(ep: int) -> list:
 NEGATIVE_CONTROLS = [
     Case("broken_wrong_expert_sent", "hot", broken="wrong_expert_sent"),
     Case("broken_gradients_not_returned", "hot", broken="gradients_not_returned"),
+    Case("broken_wave_slots_reversed", "hot", num_experts=32, num_hot=16, tokens=(96,) * 4, broken="wave_slots_reversed"),
 ]
 
 
@@ -104,11 +106,21 @@ def test_a_helper_can_borrow_more_experts_than_it_owns(ep_results):
         assert borrowed >= 1
 
 
+def test_borrowed_weights_arrive_in_waves(ep_results):
+    """16 hot experts: a native rank sends one helper several copies, in waves of 1, 1, 2, 4 ..."""
+    ep, per_rank = ep_results
+    waves = [r["borrowed_in_waves"]["waves_here"] for r in per_rank]
+    if ep == 2:  # one helper borrows about 8 experts of rank 0: a helper computes 3+ waves, one of 2+ experts
+        assert max(len(w) for w in waves) >= 3 and max(max(w, default=0) for w in waves) >= 2, waves
+    else:
+        assert max(len(w) for w in waves) >= 2, waves
+
+
 @pytest.mark.parametrize("case", NEGATIVE_CONTROLS, ids=lambda c: c.name)
 def test_negative_controls_fail_the_comparison(ep_results, case):
     ep, per_rank = ep_results
     r = {rank: results[case.name] for rank, results in enumerate(per_rank)}
     assert all(result["mode"] == "llep" for result in r.values())
-    keys = ("out_vs_stock", "out_vs_ref") if case.broken == "wrong_expert_sent" else ("experts_vs_stock", "experts_vs_ref")
+    keys = ("experts_vs_stock", "experts_vs_ref") if case.broken == "gradients_not_returned" else ("out_vs_stock", "out_vs_ref")
     for key in keys:  # some rank must see the damage, far above the parity tolerance
         assert max(result[key] for result in r.values()) > 1e-2, key

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_llep.config import LLEPConfig
 from megatron_llep.cost_model import CostModel, ExpertShape
-from megatron_llep.planner import LayerTimeModel, chunk_gather_index, plan_llep, rank_loads
+from megatron_llep.planner import LLEPPlan, LayerTimeModel, chunk_gather_index, copy_waves, plan_llep, rank_loads
 from megatron_llep.scenarios import imbalanced_topk
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -117,6 +117,16 @@ def test_rank_views_agree_pairwise(counts, config):
     sends = sorted((e, v.rank, h) for v in views for e, h in v.weights_to_send)
     receives = sorted((e, n, v.rank) for v in views for e, n in v.weights_to_receive)
     assert sends == receives
+    # P2P matching: each (native, helper) pair posts its copies in the same order on both sides,
+    # in the same waves, and every rank posts its waves in ascending order
+    for n, h in {(v.rank, h) for v in views for _, h in v.weights_to_send}:
+        sent = [(e, w) for (e, dst), w in zip(views[n].weights_to_send, views[n].send_waves) if dst == h]
+        got = [(e, w) for (e, src), w in zip(views[h].weights_to_receive, views[h].receive_waves) if src == n]
+        assert sent == got and [e for e, _ in got] == sorted(e for e, _ in got)
+        assert [w for _, w in got] == [d.bit_length() for d in range(len(got))]  # 1, 1, 2, 4 ... per wave
+    for view in views:
+        assert view.send_waves == sorted(view.send_waves) and view.receive_waves == sorted(view.receive_waves)
+        assert list(view.borrowed_experts) == [e for e, _ in view.weights_to_receive]
 
 
 @settings(max_examples=200, deadline=None)
@@ -286,14 +296,38 @@ def test_layer_time_by_hand():
     # plain EP: rank 0 computes 160; rank 1's 60 tokens go there and back
     ep = plan_llep(counts, LLEPConfig(imbalance_threshold=1e9, **NO_COST))
     assert us(ep) == dict(dispatch_s=60, compute_s=160, combine_s=60, layer_s=280)
-    # least-loaded at capacity 80: rank 1 computes its own 60 and 20 of rank 0's, which also sends the weights
+    # least-loaded at capacity 80: rank 1 computes its own 60 and 20 of rank 0's; rank 0's link carries
+    # those 20 tokens, then the weights, so rank 1 (no native work) starts at 40 us and ends at 120
     plain = plan_llep(counts, LLEPConfig(min_chunk_tokens=0, **NO_COST))
-    assert us(plain) == dict(dispatch_s=40, compute_s=80, combine_s=20, layer_s=140)
-    # cost-aware: at capacity 80 * 1.3 = 104 rank 0 computes its 100 and 4 of rank 1's, rank 1 56 of
-    # its own: 20 + 104 + 4 = 128 us beats 140 and the 32 + 88 + 12 = 132 us at capacity 88
+    assert us(plain) == dict(dispatch_s=20, compute_s=100, combine_s=20, layer_s=140)
+    # cost-aware: at capacity 80 * 1.3 = 104 rank 0 computes its 100 and 4 of rank 1's (ends at
+    # 4 + 104), rank 1 56 of its own once the weights are in (20 + 56): 4 + 104 + 4 = 112 us beats
+    # 140 and capacity 88's 12 + max(12 + 88, 32 + 72) + 12 = 128 us
     aware = plan_llep(counts, LLEPConfig(min_chunk_tokens=0, cost_model=model), shape)
     assert aware.capacity == pytest.approx(104) and list(aware.rank_loads_after) == [104, 56]
-    assert us(aware) == dict(dispatch_s=20, compute_s=104, combine_s=4, layer_s=128)
+    assert us(aware) == dict(dispatch_s=4, compute_s=104, combine_s=4, layer_s=112)
+
+
+def test_borrowed_waves_run_while_later_waves_arrive():
+    """Rank 1 routes 30 tokens to each of rank 0's three experts and computes them all: no token
+    moves, the three weight copies (20 bytes, 20 us each) travel in waves 0, 1, 2. Rank 1 starts the
+    first expert at 20 us and each later one as soon as the previous is done (its copy is in by
+    then): 20 + 3 * 30 = 110 us, where waiting for all the weights first would take 60 + 90."""
+    shape = ExpertShape(hidden_size=1, ffn_hidden_size=10, gated=False, dtype_bytes=1)
+    model = CostModel(gemm_tflops=4e-5, gemm_half_efficiency_tokens=0.0, gemm_launch_s=0.0,
+                      intra_node_gbps=1e-3, inter_node_gbps=1e-3, link_latency_s=0.0)
+    counts = np.array([[0] * 6, [30, 30, 30, 0, 0, 0]], np.int64)
+    three = np.arange(3)
+    plan = LLEPPlan(counts, 3, 45.0, np.array([90, 0]), np.array([0, 90]), False, spilled_experts=three,
+                    chunk_expert=three, chunk_src=np.ones(3, np.int64), chunk_dst=np.ones(3, np.int64),
+                    chunk_count=np.full(3, 30), transfer_expert=three, transfer_native=np.zeros(3, np.int64),
+                    transfer_helper=np.ones(3, np.int64), transfer_wave=copy_waves(np.ones(3, np.int64)))
+    assert plan.transfer_wave.tolist() == [0, 1, 2]
+    phases = LayerTimeModel(counts, 3, shape, model).phases(plan)
+    assert {k: round(v * 1e6, 6) for k, v in phases.items()} == dict(dispatch_s=0, compute_s=110, combine_s=0, layer_s=110)
+    view = plan.rank_view(1)
+    assert view.weights_to_receive == [(0, 0), (1, 0), (2, 0)] and view.receive_waves == [0, 1, 2]
+    assert plan.rank_view(0).send_waves == [0, 1, 2]
 
 
 def _plans(counts, shape, model, ep, **config):
@@ -325,12 +359,12 @@ def _assert_never_slower(counts, layer, ep, model=None):
 @pytest.mark.parametrize("layer", FULL_SHAPES, ids=lambda layer: layer.name)
 def test_cost_aware_plan_is_never_predicted_slower_on_the_plan_model_grid(layer, ep):
     """Every scenario of benchmarks/plan_model.py at the SPEC layer shapes, P = 8 .. 64."""
-    faster = 0
+    ratios = []
     for scenario in SCENARIOS:
         _, predicted = _assert_never_slower(sample_counts(layer, ep, scenario, seed=0), layer, ep)
-        faster += predicted["aware"] < predicted["plain"] * (1 - 1e-9)
+        ratios.append(predicted["aware"] / predicted["plain"])
     if ep >= 16:  # across nodes the cost model finds better plans than least-loaded at alpha = 1
-        assert faster >= 4
+        assert sum(r < 1 - 1e-9 for r in ratios) >= 3 and min(ratios) < 0.9
 
 
 @pytest.mark.parametrize("ep", [16, 64])
