@@ -257,12 +257,14 @@ class LayerTimeModel:
         # Plain EP's token traffic: [link class (0 inside a node, 1 across), rank], in tokens.
         to_rank = counts.reshape(ep, ep, local).sum(axis=2)  # [source, native rank]
         own = to_rank.diagonal()
-        to_node = to_rank.reshape(ep, nodes, per_node).sum(axis=2)[ranks, self.node]
-        from_node = to_rank.reshape(nodes, per_node, ep).sum(axis=1)[self.node, ranks]
-        self._ep_out = np.empty((2, ep))
-        self._ep_out[0], self._ep_out[1] = to_node - own, to_rank.sum(axis=1) - to_node
-        self._ep_in = np.empty((2, ep))
-        self._ep_in[0], self._ep_in[1] = from_node - own, to_rank.sum(axis=0) - from_node
+        self._ep_out, self._ep_in = np.zeros((2, ep)), np.zeros((2, ep))
+        if nodes == 1:
+            self._ep_out[0], self._ep_in[0] = to_rank.sum(axis=1) - own, to_rank.sum(axis=0) - own
+        else:
+            to_node = to_rank.reshape(ep, nodes, per_node).sum(axis=2)[ranks, self.node]
+            from_node = to_rank.reshape(nodes, per_node, ep).sum(axis=1)[self.node, ranks]
+            self._ep_out[0], self._ep_out[1] = to_node - own, to_rank.sum(axis=1) - to_node
+            self._ep_in[0], self._ep_in[1] = from_node - own, to_rank.sum(axis=0) - from_node
         self._counts = counts
 
     def phases(self, plan: "LLEPPlan") -> dict[str, float]:
@@ -273,8 +275,12 @@ class LayerTimeModel:
             key = plan.chunk_expert * self.ep + plan.chunk_dst
             cells, index = np.unique(key, return_inverse=True)
             experts = cells // self.ep
-            rows = np.array([np.searchsorted(plan.spilled_experts, experts), experts, cells % self.ep,
-                             np.bincount(index.ravel(), plan.chunk_count).astype(np.int64)])
+            helpers = cells % self.ep
+            copy = helpers != self.native[experts]
+            waves = np.zeros(experts.size, np.int64)
+            waves[copy] = copy_waves(self.native[experts[copy]] * self.ep + helpers[copy])
+            rows = np.array([np.searchsorted(plan.spilled_experts, experts), experts, helpers,
+                             np.bincount(index.ravel(), plan.chunk_count).astype(np.int64), waves])
             chunks = np.array([plan.chunk_expert, plan.chunk_src, plan.chunk_dst, plan.chunk_count,
                                np.searchsorted(plan.spilled_experts, plan.chunk_expert)])
             one = np.zeros(plan.spilled_experts.size, np.int64)
@@ -304,7 +310,7 @@ class LayerTimeModel:
         ``[candidate, link class, rank]`` (flattened where they are built by ``bincount``).
         """
         ep, native, ranks, k = self.ep, self.native, self._ranks, num_candidates
-        slot, split_expert, split_dst, split_tokens = rows
+        slot, split_expert, split_dst, split_tokens, split_wave = rows
         owner = native[spilled]
         slot_base = slot_candidate * ep
         row_base = slot_base[slot]
@@ -332,23 +338,22 @@ class LayerTimeModel:
         tokens = [max(link_time(intra, False), link_time(inter, True)) for intra, inter in peak.tolist()]
         latest = np.array(tokens) + compute.max(axis=1)  # no rank waited for weights
         # Weights: the borrowed GEMMs of each wave start once the wave's copies are in.
-        helper, giver, base = split_dst[copy], native[split_expert[copy]], row_base[copy]
-        wave = copy_waves(base * ep + giver * ep + helper)
+        helper, giver, base, wave = split_dst[copy], native[split_expert[copy]], row_base[copy], split_wave[copy]
         waves = int(wave.max()) + 1 if wave.size else 0
         if waves:
             inter = self._cross[giver, helper]
-            link = 2 * base + inter
-            sent = np.bincount((link + giver) * waves + wave, minlength=size * waves).reshape(size, waves).cumsum(axis=1)
-            got = np.bincount((link + helper) * waves + wave, minlength=size * waves).reshape(size, waves).cumsum(axis=1)
-            busy = np.maximum(out[link + giver] + sent[link + giver, wave] * self.weight_bytes,
-                              into[link + helper] + got[link + helper, wave] * self.weight_bytes)
+            sender, receiver = 2 * base + inter + giver, 2 * base + inter + helper  # the copy's two links
+            # copies of this and the earlier waves on each link
+            at_sender, at_receiver = sender * waves + wave, receiver * waves + wave
+            sent = np.bincount(at_sender, minlength=size * waves).reshape(size, waves).cumsum(axis=1).ravel()[at_sender]
+            got = np.bincount(at_receiver, minlength=size * waves).reshape(size, waves).cumsum(axis=1).ravel()[at_receiver]
+            busy = np.maximum(out[sender] + sent * self.weight_bytes, into[receiver] + got * self.weight_bytes)
             model = self.cost_model
             arrival = model.link_latency_s + busy / (np.where(inter > 0, model.inter_node_gbps, model.intra_node_gbps) * 1e9)
             # a wave's GEMMs and every later wave's run back to back once it has arrived
-            per_wave = np.bincount((base + helper) * waves + wave, gemm[copy], k * ep * waves).reshape(k * ep, waves)
-            remaining = per_wave[:, ::-1].cumsum(axis=1)[:, ::-1]
-            finish = arrival + remaining[base + helper, wave]
-            np.maximum.at(latest, base // ep, finish)
+            at = (base + helper) * waves + wave
+            remaining = np.bincount(at, gemm[copy], k * ep * waves).reshape(k * ep, waves)[:, ::-1].cumsum(axis=1)
+            np.maximum.at(latest, base // ep, arrival + remaining[:, ::-1].ravel()[at])
         return [(t, end - t, t) for t, end in zip(tokens, latest.tolist())]
 
 
@@ -401,7 +406,7 @@ def plan_llep(
     counts = np.asarray(counts)
     if counts.ndim != 2:
         raise ValueError(f"counts must be a [ep_size, num_experts] matrix, got shape {counts.shape}")
-    if not np.issubdtype(counts.dtype, np.integer):
+    if counts.dtype.kind not in "iu":
         raise TypeError(f"counts must be integers, got dtype {counts.dtype}")
     if counts.size and counts.min() < 0:
         raise ValueError("counts must be non-negative")
@@ -423,7 +428,7 @@ def plan_llep(
         return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
     if config.cost_aware:
         return _cheapest_plan(counts, loads, local, before, capacity, splits, config, expert_shape)
-    rows, spilled, _ = _split_rows([splits])
+    rows, spilled, _ = _split_rows([splits], local)
     return _build_plan(counts, loads, local, capacity, before, rows, spilled, _transport(counts, rows, spilled))
 
 
@@ -472,7 +477,7 @@ def _cheapest_plan(
             capacities.append(raised)
             candidates.append(more)
             slots, last = slots + len(more), len(more)
-    rows, spilled, slot_candidate = _split_rows(candidates)
+    rows, spilled, slot_candidate = _split_rows(candidates, local)
     chunks = _transport(counts, rows, spilled)
     timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
     phases = timer._candidate_phases(rows, spilled, chunks, slot_candidate, len(candidates))
@@ -625,17 +630,29 @@ def _least_loaded_assignment(
     return splits
 
 
-def _split_rows(candidates: list[dict[int, list[tuple[int, int]]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``[4, rows]`` (slot, expert, destination, tokens) of one or more plans' splits, each slot's
-    expert and each slot's plan. A slot is one spilled expert of one plan; slots count up across
-    the plans, and within a plan follow ascending expert ids, destinations ascending within a slot."""
+def _split_rows(
+    candidates: list[dict[int, list[tuple[int, int]]]], num_local_experts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[5, rows]`` (slot, expert, destination, tokens, wave) of one or more plans' splits, each
+    slot's expert and each slot's plan. A slot is one spilled expert of one plan; slots count up
+    across the plans, and within a plan follow ascending expert ids, destinations ascending within a
+    slot. ``wave``: the weight copy's wave where the destination is a helper (the rule of
+    :func:`copy_waves`, counted per plan), else 0."""
     rows, experts, owners = [], [], []
     for k, splits in enumerate(candidates):
+        copies_so_far: dict[tuple[int, int], int] = {}
         for e in sorted(splits):
-            rows.extend((len(owners), e, d, t) for d, t in splits[e])
+            native = e // num_local_experts
+            for d, t in splits[e]:
+                wave = 0
+                if d != native:
+                    depth = copies_so_far.get((native, d), 0)
+                    copies_so_far[(native, d)] = depth + 1
+                    wave = depth.bit_length()
+                rows.append((len(owners), e, d, t, wave))
             experts.append(e)
             owners.append(k)
-    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 4 * len(rows)).reshape(-1, 4).T
+    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 5 * len(rows)).reshape(-1, 5).T
     return rows, np.array(experts, np.int64), np.array(owners, np.int64)
 
 
@@ -649,7 +666,7 @@ def _build_plan(
     spilled: np.ndarray,
     chunks: np.ndarray,
 ) -> LLEPPlan:
-    split_expert, split_dst, split_tokens = rows[1], rows[2], rows[3]
+    split_expert, split_dst, split_tokens, split_wave = rows[1], rows[2], rows[3], rows[4]
     native = split_expert // local
     after = before.copy()
     np.subtract.at(after, spilled // local, loads[spilled])
@@ -671,7 +688,7 @@ def _build_plan(
         transfer_expert=split_expert[helpers],
         transfer_native=copy_native,
         transfer_helper=copy_helper,
-        transfer_wave=copy_waves(copy_native * before.size + copy_helper),
+        transfer_wave=split_wave[helpers],
     )
 
 
@@ -681,19 +698,21 @@ def copy_waves(pair: np.ndarray) -> np.ndarray:
     A native rank sends its copies in waves, each helper's first copy in wave 0, its second in
     wave 1, then 2, 4, 8 ... copies per wave (the ``d``-th copy goes in wave ``d.bit_length()``): a
     helper starts on its first borrowed expert while the rest arrive, and a layer has only about
-    ``log2`` of the copies per helper waves (one P2P batch and one borrowed GEMM call each)."""
-    order = np.argsort(pair, kind="stable")
-    ordered = pair[order]
-    first = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
-    depth = np.empty_like(pair)
-    depth[order] = np.arange(pair.size) - np.repeat(first, np.diff(np.append(first, pair.size)))
-    return np.frexp(depth)[1].astype(np.int64)
+    ``log2`` of the copies per helper waves (one P2P batch and one borrowed GEMM call each).
+    Plain Python: a plan has a few dozen copies, where numpy's per-call overhead would dominate."""
+    copies_so_far: dict[int, int] = {}
+    waves = []
+    for key in pair.tolist():
+        depth = copies_so_far.get(key, 0)
+        copies_so_far[key] = depth + 1
+        waves.append(depth.bit_length())
+    return np.array(waves, np.int64)
 
 
 def _transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
-    ``splits`` is ``[4, rows]`` from :func:`_split_rows` (slot, expert, destination, tokens): how
+    ``splits`` is ``[5, rows]`` from :func:`_split_rows` (slot, expert, destination, tokens, wave): how
     many tokens each destination computes; ``experts[slot]`` is the slot's expert. Returns
     ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own
     routed tokens; the rest of every slot's supply is matched to the rest of its demand in rank
@@ -701,7 +720,7 @@ def _transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> n
     meet at every slot boundary. Ranks are numbered node by node, so this keeps traffic inside
     nodes where it can.
     """
-    slot, split_expert, split_dst, split_tokens = splits
+    slot, split_expert, split_dst, split_tokens, _ = splits
     ep = counts.shape[0]
     supply = counts.T[experts]  # [slots, src], a copy
     own = np.minimum(supply[slot, split_dst], split_tokens)
