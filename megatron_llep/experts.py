@@ -115,6 +115,7 @@ class ExpertAdapter(ABC):
                     (hidden[rows : rows + group_rows], self.group_counts(group_counts),
                      probs[rows : rows + group_rows]),
                     strict=False,
+                    tie_weights=False,  # expert weights are never tied; skips a walk over every parameter
                 )
             outputs.append(out)
             rows += group_rows
