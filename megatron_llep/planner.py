@@ -20,9 +20,9 @@ The algorithm (SPEC section 1, step 3):
 Spilled tokens of an expert are first taken from the helper's own routed tokens (no traffic).
 
 Cost-aware planning (``config.cost_aware``) picks, among whole candidate plans, the one whose
-predicted layer time is lowest (:class:`LayerTimeModel`: dispatch all-to-all with the weight
-copies, then the slowest rank's expert GEMMs, then the combine all-to-all; every rank's links run
-in parallel, intra- and inter-node links separately). The candidates are plain EP, the plain
+predicted layer time is lowest (:class:`LayerTimeModel`: the token dispatch all-to-all, then each
+rank's native GEMMs and its borrowed GEMMs wave by wave as the weight copies arrive, then the
+combine all-to-all; every rank's links run in parallel, intra- and inter-node links separately). The candidates are plain EP, the plain
 least-loaded plan at ``alpha`` (exactly what ``cost_aware=False`` returns) and least-loaded plans at
 raised capacities (fewer, fuller helpers: fewer weight copies, more GEMM time on the slowest rank),
 so a cost-aware plan is never predicted slower than either plain plan. Ties keep the plain
