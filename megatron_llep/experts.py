@@ -100,8 +100,8 @@ class ExpertAdapter(ABC):
         first = local if first_slot is None else first_slot
         counts = [int(c) for c in tokens_per_slot]
         if first < local or first + len(borrowed) > len(counts):
-            raise ValueError(f"{len(counts)} slot counts cannot hold {len(borrowed)} borrowed experts from slot {first} "
-                             f"({local} native slots)")
+            raise ValueError(f"{len(counts)} slot counts cannot hold {len(borrowed)} borrowed experts from slot "
+                             f"{first} ({local} native slots)")
         rows = sum(counts[:first])
         outputs = []
         for start in range(0, len(borrowed), local):

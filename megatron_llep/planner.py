@@ -22,9 +22,9 @@ Spilled tokens of an expert are first taken from the helper's own routed tokens 
 Cost-aware planning (``config.cost_aware``) picks, among whole candidate plans, the one whose
 predicted layer time is lowest (:class:`LayerTimeModel`: the token dispatch all-to-all, then each
 rank's native GEMMs and its borrowed GEMMs wave by wave as the weight copies arrive, then the
-combine all-to-all; every rank's links run in parallel, intra- and inter-node links separately). The candidates are plain EP, the plain
-least-loaded plan at ``alpha`` (exactly what ``cost_aware=False`` returns) and least-loaded plans at
-raised capacities (fewer, fuller helpers: fewer weight copies, more GEMM time on the slowest rank),
+combine all-to-all; every rank's links run in parallel, intra- and inter-node links separately).
+The candidates are plain EP, the plain least-loaded plan at ``alpha`` (exactly what
+``cost_aware=False`` returns) and least-loaded plans at raised capacities (fewer, fuller helpers: fewer weight copies, more GEMM time on the slowest rank),
 so a cost-aware plan is never predicted slower than either plain plan. Ties keep the plain
 least-loaded plan, then plain EP. No decision is taken chunk by chunk: a spill that does not pay
 for itself in isolation can still shorten the slowest rank, and vice versa.
@@ -217,8 +217,9 @@ class LayerTimeModel:
       weights have arrived. A wave's weight copies share their native rank's and helper's links
       with the tokens; counted after the tokens, and after the earlier waves, they arrive at
       ``link_time(tokens + copies of this and earlier waves)`` of the busier of the two links. The
-      phase ends with the last rank's last GEMM. (A native rank's sends end before the last GEMM
-      of the wave they carry, so they never extend it.)
+      phase ends with the last rank's last GEMM. (A native rank waits for its sends after its own
+      GEMMs; they are done when the helper has the copies, before the helper's GEMMs on them end,
+      so they never set the phase's end.)
 
     With ``cost_model.training`` bytes count twice (activations and their gradients, weights and
     their gradients) and GEMMs three times (forward and backward): the backward mirrors the
@@ -345,11 +346,13 @@ class LayerTimeModel:
             sender, receiver = 2 * base + inter + giver, 2 * base + inter + helper  # the copy's two links
             # copies of this and the earlier waves on each link
             at_sender, at_receiver = sender * waves + wave, receiver * waves + wave
-            sent = np.bincount(at_sender, minlength=size * waves).reshape(size, waves).cumsum(axis=1).ravel()[at_sender]
-            got = np.bincount(at_receiver, minlength=size * waves).reshape(size, waves).cumsum(axis=1).ravel()[at_receiver]
+            sent = np.bincount(at_sender, minlength=size * waves).reshape(size, waves).cumsum(axis=1)
+            got = np.bincount(at_receiver, minlength=size * waves).reshape(size, waves).cumsum(axis=1)
+            sent, got = sent.ravel()[at_sender], got.ravel()[at_receiver]
             busy = np.maximum(out[sender] + sent * self.weight_bytes, into[receiver] + got * self.weight_bytes)
             model = self.cost_model
-            arrival = model.link_latency_s + busy / (np.where(inter > 0, model.inter_node_gbps, model.intra_node_gbps) * 1e9)
+            gbps = np.where(inter > 0, model.inter_node_gbps, model.intra_node_gbps)
+            arrival = model.link_latency_s + busy / (gbps * 1e9)
             # a wave's GEMMs and every later wave's run back to back once it has arrived
             at = (base + helper) * waves + wave
             remaining = np.bincount(at, gemm[copy], k * ep * waves).reshape(k * ep, waves)[:, ::-1].cumsum(axis=1)
