@@ -1001,10 +1001,21 @@ class Pipeline:
             return self._fwd_bwd(lambda h, p: [adapter.forward_native(h, counts, p)], native_rows, params)
         if not borrowed_counts:
             raise Skip("this rank computes no borrowed expert in this plan")
-        if which == "borrowed":  # the borrowed slots alone (native slots given no rows)
+        if which == "borrowed":  # the borrowed slots alone (native slots given no rows), wave by wave as the layer runs them
             only_borrowed = [0] * local + borrowed_counts
-            return self._fwd_bwd(lambda h, p: adapter.forward_borrowed(h, only_borrowed, p, borrowed),
-                                 sum(borrowed_counts), params + [t for ts in borrowed for t in ts])
+            waves = view.receive_waves
+
+            def by_wave(h, p):
+                outs, first = [], 0
+                for wave in sorted(set(waves)):
+                    size = waves.count(wave)
+                    outs += adapter.forward_borrowed(h, only_borrowed, p, borrowed[first : first + size], local + first)
+                    first += size
+                return outs
+
+            result = self._fwd_bwd(by_wave, sum(borrowed_counts), params + [t for ts in borrowed for t in ts])
+            result["waves"] = len(set(waves))
+            return result
         # the same borrowed tokens through the native module's own weights (no substitution)
         def as_native(h, p):
             outs, offset = [], 0
