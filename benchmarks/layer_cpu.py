@@ -4,9 +4,10 @@ LLEP side by side in the same gloo run, P = 2, SPEC shapes scaled to fit two cor
     python benchmarks/layer_cpu.py [--quick] [--shape deepseek-v3] [--out results/layer_cpu.json]
 
 Per layer shape and scenario it reports the forward wall-clock time of both (fastest of the
-repeats, slowest rank; EP and LLEP alternate; the minimum filters the CPU steal of a shared VM),
-the EP/LLEP ratio, LLEP against the force-balanced ideal (plain EP on balanced
-routing), forward+backward time, and per-rank peak memory of a forward+backward step.
+repeats, slowest rank; the minimum filters the CPU steal of a shared VM), the EP/LLEP ratio, LLEP
+against the force-balanced ideal (stock EP on balanced routing, a third layer with the same
+weights), forward+backward time, and per-rank peak memory of a forward+backward step. EP, LLEP and
+the ideal run alternately at every point, so every ratio compares timings of the same minutes.
 
 Peak memory: the rise of the process's peak resident set (Linux ``VmHWM``, reset through
 ``/proc/self/clear_refs``) above its resident set just before the step. For that step glibc's mmap
@@ -141,17 +142,21 @@ def _calibrate(shape: LayerShape, rank: int):
                    intra_node_gbps=p[3], link_latency_s=p[4])
 
 
-def _layer_pair(shape: LayerShape, point: Point, cost_model):
+def _layers(shape: LayerShape, point: Point, cost_model, rank: int):
+    """Stock EP, LLEP (same weights) and the force-balanced ideal: stock EP on balanced routing."""
     import torch
 
     from megatron_llep.config import LLEPConfig
+    from megatron_llep.scenarios import force_routing, imbalanced_topk
     from megatron_llep.testing.moe import build_moe_layer, moe_config
 
     cfg = moe_config(shape.num_experts, shape.hidden, shape.ffn, shape.topk, EP_SIZE, gpt_oss_experts=shape.bias)
     llep_cfg = LLEPConfig(alpha=point.alpha, min_chunk_tokens=point.min_chunk_tokens,
                           imbalance_threshold=point.imbalance_threshold, cost_model=cost_model)
     torch.manual_seed(0)
-    return build_moe_layer(cfg, None, seed=3, weight_scale=0.05), build_moe_layer(cfg, llep_cfg, seed=3, weight_scale=0.05)
+    stock, llep, ideal = (build_moe_layer(cfg, c, seed=3, weight_scale=0.05) for c in (None, llep_cfg, None))
+    force_routing(ideal.router, imbalanced_topk(shape.tokens_per_gpu, shape.num_experts, shape.topk, 0.0, 0, seed=17 + rank))
+    return stock, llep, ideal
 
 
 def _timed(fn, group_max) -> float:
@@ -189,9 +194,9 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
             calibrated[shape] = _calibrate(shape, rank)
         key = (shape, point.alpha, point.imbalance_threshold, point.min_chunk_tokens)
         if key not in pairs:
-            pairs.clear()  # keep at most one pair of layers alive
-            pairs[key] = _layer_pair(shape, point, calibrated[shape])
-        stock, llep = pairs[key]
+            pairs.clear()  # keep at most one set of layers alive
+            pairs[key] = _layers(shape, point, calibrated[shape], rank)
+        stock, llep, ideal = pairs[key]
         tokens = shape.tokens_per_gpu
         ids = imbalanced_topk(tokens, shape.num_experts, shape.topk, point.scenario.hot_fraction,
                               point.scenario.num_hot, seed=17 + rank)
@@ -209,17 +214,21 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
             out, _ = layer(xi)
             out.sum().backward()
 
-        forward(stock), forward(llep)  # warm-up
-        times = {"ep": [], "llep": []}
-        for _ in range(repeats):
-            times["ep"].append(_timed(lambda: forward(stock), group_max))
-            times["llep"].append(_timed(lambda: forward(llep), group_max))
+        layers = {"ep": stock, "llep": llep, "ideal": ideal}
+        for layer in layers.values():  # warm-up
+            forward(layer)
+        times = {name: [] for name in layers}
+        for _ in range(repeats):  # alternating, so that the ratios see the same machine
+            for name, layer in layers.items():
+                times[name].append(_timed(lambda: forward(layer), group_max))
         stats = llep.token_dispatcher.last_stats
         row = {
             "model": shape.name, "scenario": point.scenario.label, "ablation": point.ablation, "value": point.value,
             "tokens_per_rank": tokens, "experts": shape.num_experts, "hidden": shape.hidden, "ffn": shape.ffn,
-            "ep_ms": min(times["ep"]) * 1e3, "llep_ms": min(times["llep"]) * 1e3,
+            "ep_ms": min(times["ep"]) * 1e3, "llep_ms": min(times["llep"]) * 1e3, "ideal_ms": min(times["ideal"]) * 1e3,
             "ep_median_ms": statistics.median(times["ep"]) * 1e3, "llep_median_ms": statistics.median(times["llep"]) * 1e3,
+            "ideal_median_ms": statistics.median(times["ideal"]) * 1e3,
+            "speedup": min(times["ep"]) / min(times["llep"]), "llep_vs_ideal": min(times["llep"]) / min(times["ideal"]),
             "mode": stats.mode, "max_mean_before": stats.max_mean_before, "max_mean_after": stats.max_mean_after,
             "spilled_tokens": stats.spilled_tokens, "weight_mb": stats.weight_bytes / 1e6,
             "moved_tokens": stats.moved_tokens, "plan_ms": stats.plan_time_s * 1e3,
@@ -231,12 +240,13 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
                 mem_all = torch.tensor([float(mem)])
                 dist.all_reduce(mem_all, op=dist.ReduceOp.MAX)
                 row[f"{name}_peak_mb"] = float(mem_all) / 1e6
-            fwd_bwd = {"ep": [], "llep": []}
+            fwd_bwd = {name: [] for name in layers}
             for _ in range(max(1, repeats // 3)):
-                for name, layer in (("ep", stock), ("llep", llep)):
+                for name, layer in layers.items():
                     fwd_bwd[name].append(_timed(lambda: step(layer), group_max))
             for name in fwd_bwd:
                 row[f"{name}_fwd_bwd_ms"] = min(fwd_bwd[name]) * 1e3
+            row["llep_vs_ideal_fwd_bwd"] = row["llep_fwd_bwd_ms"] / row["ideal_fwd_bwd_ms"]
         rows.append(row)
         if rank == 0 and partial_path:
             with open(partial_path, "a") as f:  # nothing is lost if a later point fails
@@ -298,15 +308,12 @@ def main() -> None:
         os.remove(partial)
     rows = run_distributed(run_points, EP_SIZE, points, args.repeats, partial, timeout_s=3600)[0]
     os.remove(partial)
-    ideal = {r["model"]: r["ep_ms"] for r in rows if r["scenario"] == "balanced" and not r["ablation"]}
-    for r in rows:
-        r["speedup"] = r["ep_ms"] / r["llep_ms"]
-        r["llep_vs_ideal"] = r["llep_ms"] / ideal[r["model"]] if r["model"] in ideal and not r["ablation"] else None
     columns = [
         ("model", "model", ""), ("scenario", "scenario", ""), ("ablation", "ablation", ""), ("value", "value", ""),
         ("mode", "plan", ""), ("max_mean_before", "EP max/mean", ".2f"), ("max_mean_after", "LLEP max/mean", ".2f"),
-        ("ep_ms", "EP fwd ms", ".1f"), ("llep_ms", "LLEP fwd ms", ".1f"), ("speedup", "EP/LLEP", ".2f"),
-        ("llep_vs_ideal", "LLEP/ideal", ".2f"), ("ep_fwd_bwd_ms", "EP f+b ms", ".1f"), ("llep_fwd_bwd_ms", "LLEP f+b ms", ".1f"),
+        ("ep_ms", "EP fwd ms", ".1f"), ("llep_ms", "LLEP fwd ms", ".1f"), ("ideal_ms", "ideal fwd ms", ".1f"),
+        ("speedup", "EP/LLEP", ".2f"), ("llep_vs_ideal", "LLEP/ideal", ".2f"), ("ep_fwd_bwd_ms", "EP f+b ms", ".1f"),
+        ("llep_fwd_bwd_ms", "LLEP f+b ms", ".1f"), ("llep_vs_ideal_fwd_bwd", "LLEP/ideal f+b", ".2f"),
         ("ep_peak_mb", "EP peak MB", ".1f"), ("llep_peak_mb", "LLEP peak MB", ".1f"), ("weight_mb", "weights MB", ".1f"),
         ("plan_ms", "plan ms", ".2f"),
     ]

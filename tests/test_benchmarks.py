@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,8 +42,10 @@ def test_layer_cpu_smoke(tmp_path):
     # the cost model is calibrated on this CPU; at smoke-test sizes it may judge a spill not worth it
     assert hot["mode"] in ("llep", "plain") and hot["max_mean_before"] > 1.5
     assert hot["max_mean_after"] <= hot["max_mean_before"]
-    for key in ("ep_ms", "llep_ms", "ep_peak_mb", "llep_peak_mb", "ep_fwd_bwd_ms", "llep_fwd_bwd_ms"):
+    for key in ("ep_ms", "llep_ms", "ideal_ms", "ep_peak_mb", "llep_peak_mb", "ep_fwd_bwd_ms", "llep_fwd_bwd_ms",
+                "ideal_fwd_bwd_ms"):
         assert hot[key] > 0
+    assert hot["llep_vs_ideal"] == pytest.approx(hot["llep_ms"] / hot["ideal_ms"])
 
 
 def test_gpu_script_dry_run(tmp_path):
