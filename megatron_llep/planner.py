@@ -65,8 +65,8 @@ class RankPlan:
     tokens_per_slot: np.ndarray
     weights_to_send: list[tuple[int, int]]
     weights_to_receive: list[tuple[int, int]]
-    send_waves: list[int] = field(default_factory=list)
-    receive_waves: list[int] = field(default_factory=list)
+    send_waves: list[int]
+    receive_waves: list[int]
 
     @property
     def input_splits(self) -> np.ndarray:

@@ -69,10 +69,13 @@ class ExpertWeightExchange:
         self.first_local_expert = first_local_expert
         self.sends = list(rank_plan.weights_to_send)
         self.receives = list(rank_plan.weights_to_receive)
-        self.send_waves = list(rank_plan.send_waves)
-        self.receive_waves = list(rank_plan.receive_waves)
         # this rank's waves, ascending: the order every rank posts (and its layer computes) them in
-        self.waves = sorted(set(self.send_waves) | set(self.receive_waves))
+        self.waves = sorted(set(rank_plan.send_waves) | set(rank_plan.receive_waves))
+        # per wave: its (expert, helper) sends, and the positions in ``receives`` (slot order) of its receives
+        self.wave_sends = {w: [pair for pair, sw in zip(self.sends, rank_plan.send_waves) if sw == w]
+                           for w in self.waves}
+        self.wave_receives = {w: [i for i, rw in enumerate(rank_plan.receive_waves) if rw == w]
+                              for w in self.waves}
         self.sent_experts = sorted({expert for expert, _ in self.sends})
         specs = adapter.tensor_specs()
         self.specs = specs
@@ -98,13 +101,6 @@ class ExpertWeightExchange:
     def _native_tensors(self, expert: int) -> list[torch.Tensor]:
         return self.adapter.expert_tensors(expert - self.first_local_expert)
 
-    def _wave_sends(self, wave: int) -> list[tuple[int, int]]:
-        return [pair for pair, w in zip(self.sends, self.send_waves) if w == wave]
-
-    def _wave_receives(self, wave: int) -> list[int]:
-        """Positions in ``receives`` (slot order) of the wave's borrowed experts."""
-        return [i for i, w in enumerate(self.receive_waves) if w == wave]
-
     def start(self) -> None:
         """Post the weight sends and receives without waiting, one batch per wave (call before the
         token all-to-all). Once per step: a recomputed forward reuses the weights already received."""
@@ -113,10 +109,10 @@ class ExpertWeightExchange:
         self._posted = True
         for wave in self.waves:
             ops = []
-            for expert, helper in self._wave_sends(wave):
+            for expert, helper in self.wave_sends[wave]:
                 for tensor in self._native_tensors(expert):
                     ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self._peer(helper), self.group))
-            for i in self._wave_receives(wave):
+            for i in self.wave_receives[wave]:
                 expert, native = self.receives[i]
                 for buffer in self.received[expert]:
                     ops.append(dist.P2POp(dist.irecv, buffer, self._peer(native), self.group))
@@ -159,14 +155,14 @@ class ExpertWeightExchange:
         rank lent in that wave."""
         per_expert = len(self.specs)
         ops = []
-        for k, i in enumerate(self._wave_receives(wave)):
+        for k, i in enumerate(self.wave_receives[wave]):
             expert, native = self.receives[i]
             for j, buffer in enumerate(self.received[expert]):
                 grad = grads[k * per_expert + j]
                 grad = torch.zeros_like(buffer) if grad is None else grad.contiguous()
                 self._gradients_out.append(grad)
                 ops.append(dist.P2POp(dist.isend, grad, self._peer(native), self.group))
-        for expert, helper in self._wave_sends(wave):
+        for expert, helper in self.wave_sends[wave]:
             buffers = [torch.empty_like(t) for t in self._native_tensors(expert)]
             self._gradients_in.setdefault(expert, []).append(buffers)
             for buffer in buffers:
@@ -216,7 +212,7 @@ class _BorrowWave(torch.autograd.Function):
     def forward(ctx, native_output, tie, exchange: ExpertWeightExchange, wave: int):
         exchange.wait(wave)
         ctx.exchange, ctx.wave = exchange, wave
-        received = [t for i in exchange._wave_receives(wave) for t in exchange.received[exchange.receives[i][0]]]
+        received = [t for i in exchange.wave_receives[wave] for t in exchange.received[exchange.receives[i][0]]]
         return (native_output.view_as(native_output), *received)
 
     @staticmethod

@@ -204,7 +204,7 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     rank_plan = llep.token_dispatcher.rank_plan if errs["mode"] == "llep" else None
     errs["borrowed_here"] = len(rank_plan.weights_to_receive) if rank_plan is not None else 0
     exchange = llep.token_dispatcher.weight_exchange if rank_plan is not None else None
-    errs["waves_here"] = [len(exchange._wave_receives(w)) for w in exchange.waves] if exchange is not None else []
+    errs["waves_here"] = [len(exchange.wave_receives[w]) for w in exchange.waves] if exchange is not None else []
     errs["num_local_experts"] = llep.num_local_experts
     weight_group = llep.token_dispatcher.weight_group
     errs["separate_weight_group"] = weight_group is not llep.token_dispatcher.ep_group and (
