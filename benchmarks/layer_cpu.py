@@ -14,10 +14,12 @@ Peak memory: the rise of the process's peak resident set (Linux ``VmHWM``, reset
 threshold is set to 64 KiB (``mallopt``), so every tensor buffer is its own mapping and returns to
 the OS when freed: the high-water mark then follows the live tensor bytes. Timed runs behave like
 a GPU's caching allocator instead: buffers up to 32 MiB (glibc's largest mmap threshold) come from
-the heap, and freed heap memory is kept (trim threshold 1 GiB), so a buffer freed by one layer call
-is reused by the next without page faults. With glibc's default 128 KiB trim threshold (which
-setting the mmap threshold freezes), every free at the top of the heap went back to the OS and the
-next allocation faulted its pages in again: 29 MB gathers took 12 ms instead of 2 ms.
+the heap, 1 GiB of heap is faulted in before timing, and freed heap memory is kept (trim threshold
+2 GiB), so a buffer freed by one layer call is reused by the next without page faults. With glibc's
+default 128 KiB trim threshold (which setting the mmap threshold freezes), every free at the top of
+the heap went back to the OS and the next allocation faulted its pages in again: 29 MB gathers took
+12 ms instead of 2 ms; without the pre-faulted heap, a layer whose buffers fragment the heap grew it
+into fresh pages now and then (LLEP's 11.8 MB combine gather: 25-43 ms instead of 1 ms).
 
 The LLEP cost model is calibrated on this machine first (expert GEMM timings, gloo send/recv
 bandwidth between the two ranks), so cost-aware spilling judges CPU, not H200, numbers.
@@ -69,15 +71,32 @@ def _rss(key: str) -> int:
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (glibc malloc.h)
+HEAP_RESERVE = 1 << 30  # heap pre-faulted for timed runs (layers' step working sets are well under it)
 
 
 def _malloc_for(timing: bool) -> None:
     """glibc malloc for timing (freed buffers stay in the heap and are reused, as in a GPU's
     caching allocator) or for memory measurement (every tensor buffer is its own mapping, returned
-    to the OS when freed; glibc's default trim threshold)."""
+    to the OS when freed; glibc's default trim threshold).
+
+    For timing, :data:`HEAP_RESERVE` of heap is also faulted in once and freed (and, with the trim
+    threshold above it, kept): a layer whose buffers fragment the heap differently from step to
+    step would otherwise grow it into fresh pages now and then, and the first touch of a fresh page
+    costs 2-12 us on a VM (an 11.8 MB gather took 25-43 ms instead of 1 ms, 2,880 page faults), a
+    cost a GPU's caching allocator does not have once warm."""
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(_M_MMAP_THRESHOLD, (32 << 20) if timing else (64 << 10))
-    libc.mallopt(_M_TRIM_THRESHOLD, (1 << 30) if timing else (128 << 10))
+    libc.mallopt(_M_TRIM_THRESHOLD, (2 * HEAP_RESERVE) if timing else (128 << 10))
+    if timing:
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        chunk = 16 << 20  # under the mmap threshold: carved from the heap
+        blocks = [libc.malloc(chunk) for _ in range(HEAP_RESERVE // chunk)]
+        for block in blocks:
+            if block:
+                ctypes.memset(block, 0, chunk)
+        for block in blocks:
+            libc.free(block)
 
 
 def _peak_rss_rise(fn) -> int:
@@ -241,7 +260,7 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
                 dist.all_reduce(mem_all, op=dist.ReduceOp.MAX)
                 row[f"{name}_peak_mb"] = float(mem_all) / 1e6
             fwd_bwd = {name: [] for name in layers}
-            for _ in range(max(1, repeats // 3)):
+            for _ in range(max(1, repeats // 2)):
                 for name, layer in layers.items():
                     fwd_bwd[name].append(_timed(lambda: step(layer), group_max))
             for name in fwd_bwd:

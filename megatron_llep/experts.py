@@ -24,16 +24,22 @@ from megatron_llep.cost_model import ExpertShape
 Tensors = list[torch.Tensor]
 
 
+_FUSION_FLAGS = ("gradient_accumulation_fusion", "fuse_wgrad_accumulation")  # Megatron's, TE's linears
+
+
+def _fusion_flag_holders(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """The submodules of ``module`` that carry a weight-gradient fusion flag, with the flag's name
+    (found once: walking the module tree on every borrowed call costs host time)."""
+    return [(sub, attr) for sub in module.modules() for attr in _FUSION_FLAGS if hasattr(sub, attr)]
+
+
 @contextlib.contextmanager
-def _unfused_weight_grads(module: torch.nn.Module) -> Iterator[None]:
+def _unfused_weight_grads(holders: list[tuple[torch.nn.Module, str]]) -> Iterator[None]:
     """Borrowed weights have no ``main_grad`` buffer, so their GEMMs must return ordinary weight
     gradients: switch off gradient-accumulation fusion (Megatron and TE linears) for the call."""
-    saved = []
-    for sub in module.modules():
-        for attr in ("gradient_accumulation_fusion", "fuse_wgrad_accumulation"):
-            if getattr(sub, attr, False) is True:
-                saved.append((sub, attr))
-                setattr(sub, attr, False)
+    saved = [(sub, attr) for sub, attr in holders if getattr(sub, attr) is True]
+    for sub, attr in saved:
+        setattr(sub, attr, False)
     try:
         yield
     finally:
@@ -47,6 +53,7 @@ class ExpertAdapter(ABC):
     def __init__(self, experts: torch.nn.Module, num_local_experts: int) -> None:
         self.experts = experts
         self.num_local_experts = num_local_experts
+        self._fusion_flags = _fusion_flag_holders(experts)
 
     @abstractmethod
     def expert_tensors(self, local_index: int) -> Tensors:
@@ -108,7 +115,7 @@ class ExpertAdapter(ABC):
             group = borrowed[start : start + local]
             group_counts = counts[first + start : first + start + len(group)]
             group_rows = sum(group_counts)
-            with _unfused_weight_grads(self.experts):
+            with _unfused_weight_grads(self._fusion_flags):
                 out, _ = torch.func.functional_call(
                     self.experts,
                     self.substitute(group),

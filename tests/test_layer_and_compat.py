@@ -141,8 +141,30 @@ def test_cpu_compat_maps_cuda_placements_to_cpu():
         t = torch.zeros(2, device="cuda")
         assert t.device.type == "cpu" and t.cuda() is t
         assert t.type() == "torch.cuda.FloatTensor"
+        assert t.to("cuda").device.type == "cpu" and t.to(device="cuda:0").device.type == "cpu"
+        assert torch.ones(2, device=0).device.type == "cpu" and t.pin_memory() is t
+        assert not torch.empty(2, pin_memory=True).is_pinned()
+        assert torch.full((2,), 3.0, dtype=torch.float64).dtype == torch.float64  # other keywords pass through
         with torch.cuda.stream(torch.cuda.Stream()):
             torch.cuda.current_stream().synchronize()
         """
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_borrowed_calls_switch_weight_gradient_fusion_off_and_back():
+    import torch
+
+    from megatron_llep.experts import _fusion_flag_holders, _unfused_weight_grads
+
+    experts = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.ReLU())
+    experts[0].gradient_accumulation_fusion = True  # Megatron's linear
+    experts[1].fuse_wgrad_accumulation = False  # TE's, already off
+    holders = _fusion_flag_holders(experts)
+    assert holders == [(experts[0], "gradient_accumulation_fusion"), (experts[1], "fuse_wgrad_accumulation")]
+    with _unfused_weight_grads(holders):
+        assert experts[0].gradient_accumulation_fusion is False and experts[1].fuse_wgrad_accumulation is False
+    assert experts[0].gradient_accumulation_fusion is True and experts[1].fuse_wgrad_accumulation is False
+    with pytest.raises(RuntimeError), _unfused_weight_grads(holders):
+        raise RuntimeError("a failing borrowed call")
+    assert experts[0].gradient_accumulation_fusion is True

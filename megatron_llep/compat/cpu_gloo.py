@@ -92,21 +92,28 @@ class _CudaToCpuMode(TorchFunctionMode):
     CUDA type names Megatron's optimizers assert on."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.pin_memory:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return _CUDA_TYPE_NAMES.get(name, name)
-        if func in (torch.Tensor.to,) and args:
-            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
-        if "device" in kwargs and (_is_cuda_device(kwargs["device"]) or isinstance(kwargs["device"], int)):
-            kwargs["device"] = "cpu"
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
+        # every torch call of the process passes here: the common case (no special function, no
+        # device or pin_memory keyword) returns after two checks
+        if func in _SPECIAL_FUNCTIONS:
+            if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
+                return args[0]
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                return _CUDA_TYPE_NAMES.get(name, name)
+            if func is torch.Tensor.to and args:
+                args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        if not kwargs:
+            return func(*args)
+        if "device" in kwargs or "pin_memory" in kwargs:
+            kwargs = dict(kwargs)
+            if "device" in kwargs and (_is_cuda_device(kwargs["device"]) or isinstance(kwargs["device"], int)):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
         return func(*args, **kwargs)
+
+
+_SPECIAL_FUNCTIONS = frozenset({torch.Tensor.cuda, torch.Tensor.pin_memory, torch.Tensor.type, torch.Tensor.to})
 
 
 def _cpu_as_numpy_maybe_move_tensor_to_cpu(original: Callable) -> Callable:
