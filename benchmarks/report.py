@@ -45,16 +45,19 @@ def layer_cpu_section(data) -> str:
            f"Command: `{data['command']}`.", "",
            _table(rows, [("model", "layer", ""), ("scenario", "scenario", ""), ("mode", "plan", ""),
                          ("max_mean_before", "EP max/mean", ".2f"), ("max_mean_after", "LLEP max/mean", ".2f"),
-                         ("ep_ms", "EP fwd ms", ".1f"), ("llep_ms", "LLEP fwd ms", ".1f"), ("speedup", "EP/LLEP", ".2f"),
-                         ("llep_vs_ideal", "LLEP/ideal", ".2f"), ("ep_fwd_bwd_ms", "EP fwd+bwd ms", ".1f"),
-                         ("llep_fwd_bwd_ms", "LLEP fwd+bwd ms", ".1f"), ("ep_peak_mb", "EP peak MB", ".1f"),
+                         ("ep_ms", "EP fwd ms", ".1f"), ("llep_ms", "LLEP fwd ms", ".1f"), ("ideal_ms", "ideal fwd ms", ".1f"),
+                         ("speedup", "EP/LLEP", ".2f"), ("llep_vs_ideal", "LLEP/ideal", ".2f"),
+                         ("ep_fwd_bwd_ms", "EP fwd+bwd ms", ".1f"), ("llep_fwd_bwd_ms", "LLEP fwd+bwd ms", ".1f"),
+                         ("ideal_fwd_bwd_ms", "ideal fwd+bwd ms", ".1f"), ("llep_vs_ideal_fwd_bwd", "LLEP/ideal fwd+bwd", ".2f"),
+                         ("ep_peak_mb", "EP peak MB", ".1f"),
                          ("llep_peak_mb", "LLEP peak MB", ".1f"), ("weight_mb", "weights moved MB", ".1f")])]
     if ablations:
         out += ["", "Ablations (gpt-oss-120b/cpu layer, forward):", "",
                 _table(ablations, [("ablation", "knob", ""), ("value", "value", ""), ("scenario", "scenario", ""),
                                    ("mode", "plan", ""), ("max_mean_before", "EP max/mean", ".2f"),
                                    ("max_mean_after", "LLEP max/mean", ".2f"), ("ep_ms", "EP ms", ".1f"),
-                                   ("llep_ms", "LLEP ms", ".1f"), ("speedup", "EP/LLEP", ".2f")])]
+                                   ("llep_ms", "LLEP ms", ".1f"), ("ideal_ms", "ideal ms", ".1f"), ("speedup", "EP/LLEP", ".2f"),
+                                   ("llep_vs_ideal", "LLEP/ideal", ".2f")])]
     return "\n".join(out)
 
 
