@@ -9,13 +9,17 @@ scenario and every rank, the work the dispatcher does beyond stock Megatron:
   Megatron's own permute emits the destination-major all-to-all order — ``[columns]`` vectors
   copied over and a few ``[tokens, columns]`` mask ops, no row gather;
 * the receive order (:class:`_RowPermutation`): per-chunk shifts from the host, the row indices
-  built on the device; its gather of the received rows replaces stock's chunk sort
-  (``sort_chunks_by_idxs``).
+  built on the device; its gathers of the received tokens and probabilities and of the expert
+  output replace stock's chunk sorts (``sort_chunks_by_idxs``).
 
 Their device work is timed here on the CPU (an upper bound for the host part); the host part on a
-GPU is the dispatch of their few tensor ops, measured by running them on inputs of at most one row
-per chunk. planner + rank view + dispatch is LLEP's extra host time per layer on a GPU (target:
-under 0.3 ms).
+GPU is the dispatch of their few tensor ops, measured by running them on inputs of one row per
+chunk and one column. planner + rank view + dispatch is LLEP's extra host time per layer on a GPU
+(target: under 0.3 ms). Stock's chunk sorts, which LLEP's receive gathers replace, are timed the
+same way (Megatron's unfused ``sort_chunks_by_idxs``, the default: a split and a cat over the
+``P * M`` chunks for the tokens, the probabilities and the expert output; TE's fused sort, with
+``moe_permute_fusion``, is one kernel launch per tensor instead): the net is LLEP's host time
+beyond the stock layer's.
 Token rows gathered beyond stock: none in forward or backward when each rank owns more than one
 expert (stock sorts its received rows too); with one expert per rank stock sorts nothing and the
 receive order is one gather more.
@@ -32,6 +36,8 @@ import numpy as np
 import torch
 
 from common import GPT_OSS_120B, SCENARIOS, print_table, sample_counts, write_results
+
+from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
 from megatron_llep.config import LLEPConfig
 from megatron_llep.cost_model import ExpertShape
@@ -69,13 +75,30 @@ def _recv_order(view) -> None:
 
 
 def _dispatch_only(view, num_experts: int) -> None:
-    """The same tensor ops on one token and on chunks of at most one row: what remains is the
-    per-op dispatch (host) cost, an estimate of the host time of the device work on a GPU."""
+    """The same tensor ops on one token and on chunks of at most one row of one column: what
+    remains is the per-op dispatch (host) cost, an estimate of the host time of the device work on
+    a GPU."""
     device = torch.device("cpu")
     _SendColumns(view, device).apply(torch.ones(1, num_experts, dtype=torch.bool), torch.ones(1, num_experts))
     ep = view.recv_counts.shape[0]
     chunk_order = (np.arange(ep)[None, :] * num_experts + view.slot_experts[:, None]).ravel()
-    _RowPermutation(np.minimum(view.recv_counts.ravel(), 1), chunk_order, device)
+    sizes = np.minimum(view.recv_counts.ravel(), 1)
+    receive = _RowPermutation(sizes, chunk_order, device)
+    rows = torch.zeros(int(sizes.sum()), 1)
+    receive.apply(rows), receive.apply(rows[:, 0]), receive.undo(rows)  # tokens, probs; expert output
+
+
+def _stock_sorts_dispatch_only(ep: int, local: int) -> None:
+    """Stock's chunk sorts on one row per chunk: received tokens and probabilities by local expert
+    (``dispatch_postprocess``), the expert output back (``combine_preprocess``)."""
+    if local == 1:
+        return  # stock sorts nothing with one expert per rank
+    sizes = torch.ones(ep * local, dtype=torch.long)
+    by_expert = torch.arange(ep * local).reshape(ep, local).T.ravel()
+    by_source = torch.arange(ep * local).reshape(local, ep).T.ravel()
+    rows = torch.zeros(ep * local, 1)
+    sort_chunks_by_idxs(rows, sizes, by_expert, probs=rows[:, 0])
+    sort_chunks_by_idxs(rows, sizes, by_source)
 
 
 def run(ep: int, repeats: int) -> list[dict]:
@@ -90,7 +113,8 @@ def run(ep: int, repeats: int) -> list[dict]:
         plan_ms = _best_ms(lambda: plan_llep(counts, config, expert), repeats)
         plan = plan_llep(counts, config, expert)
         row = dict(scenario=scenario.label, ep=ep, mode="plain" if plan.is_plain_ep else "llep", plan_ms=plan_ms,
-                   view_ms=0.0, send_columns_ms=0.0, recv_order_ms=0.0, dispatch_ms=0.0, columns=0, extra_rows=0)
+                   view_ms=0.0, send_columns_ms=0.0, recv_order_ms=0.0, dispatch_ms=0.0, columns=0, extra_rows=0,
+                   stock_sorts_ms=0.0)
         if not plan.is_plain_ep:
             per_rank = []
             for rank in range(ep):
@@ -106,8 +130,10 @@ def run(ep: int, repeats: int) -> list[dict]:
                                  received if local == 1 else 0))
             for i, key in enumerate(("view_ms", "send_columns_ms", "recv_order_ms", "dispatch_ms", "columns", "extra_rows")):
                 row[key] = max(p[i] for p in per_rank)
+            row["stock_sorts_ms"] = _best_ms(lambda: _stock_sorts_dispatch_only(ep, local), repeats)
         # on a GPU the device work runs as kernels; the host pays the planner and their dispatch
         row["extra_host_ms"] = row["plan_ms"] + row["view_ms"] + row["dispatch_ms"]
+        row["net_host_ms"] = row["extra_host_ms"] - row["stock_sorts_ms"]
         row["extra_gather_mb"] = 2 * row["extra_rows"] * expert.token_bytes / 2**20  # forward and backward
         rows.append(row)
     return rows
@@ -125,11 +151,13 @@ def main() -> None:
                        ("view_ms", "rank view ms", ".3f"),
                        ("send_columns_ms", "send columns ms", ".3f"), ("recv_order_ms", "recv order ms", ".3f"),
                        ("dispatch_ms", "of them dispatch ms", ".3f"), ("columns", "columns", "d"),
-                       ("extra_host_ms", "extra host ms", ".3f"), ("extra_rows", "extra rows", "d"),
+                       ("extra_host_ms", "extra host ms", ".3f"), ("stock_sorts_ms", "stock sorts ms", ".3f"),
+                       ("net_host_ms", "net host ms", ".3f"), ("extra_rows", "extra rows", "d"),
                        ("extra_gather_mb", "extra gather MB", ".1f")])
     write_results(args.out, "host_overhead", rows,
                   dict(shape=GPT_OSS_120B.name, tokens_per_gpu=GPT_OSS_120B.tokens_per_gpu, ep=args.ep,
-                       repeats=args.repeats, timing="best of repeats, slowest rank, 1 thread"))
+                       repeats=args.repeats, timing="best of repeats, slowest rank, 1 thread",
+                       stock_sorts="Megatron's unfused sort_chunks_by_idxs, dispatch only"))
 
 
 if __name__ == "__main__":

@@ -65,8 +65,8 @@ class _RowPermutation:
     Rows come in chunks (e.g. source-major blocks of each expert); the permutation puts the chunks
     in another order. The host knows the chunk sizes, so it computes each chunk's shift (new start
     minus old start) for both directions; only those ``[chunks]`` vectors cross to the device,
-    where each index is ``arange + repeat_interleave(shift)``: no host loop over rows, no
-    row-sized copy, five device ops.
+    where both indices come out of one ``arange + repeat_interleave(shift)`` over the two
+    directions laid end to end: no host loop over rows, no row-sized copy, four device ops.
     """
 
     def __init__(self, chunk_sizes: np.ndarray, chunk_order: np.ndarray, device: torch.device) -> None:
@@ -78,17 +78,18 @@ class _RowPermutation:
         # forward[new row] = old row: each new chunk shifted by (its old start - its new start)
         shift = (np.cumsum(sizes) - sizes)[chunk_order] - (np.cumsum(new_sizes) - new_sizes)
         kept = new_sizes > 0
-        forward_sizes, forward_shift = new_sizes[kept], shift[kept]
-        # inverse[old row] = new row: the same chunks in their old order, shifted back
+        forward_shift = shift[kept]
+        # inverse[old row] = new row: the same chunks in their old order, shifted back; its rows
+        # follow the forward's in the joint index, hence the extra - total
         old_order = np.sort(chunk_order[kept])
         inverse_shift = np.zeros(sizes.size, np.int64)
         inverse_shift[chunk_order[kept]] = -forward_shift
-        host = [forward_sizes, forward_shift, sizes[old_order], inverse_shift[old_order]]
-        packed = torch.from_numpy(np.concatenate(host)).to(device, non_blocking=True)  # one copy
-        forward_sizes, forward_shift, inverse_sizes, inverse_shift = packed.split([a.size for a in host])
-        rows = torch.arange(total, device=device)
-        self.forward = rows + torch.repeat_interleave(forward_shift, forward_sizes, output_size=total)
-        self.inverse = rows + torch.repeat_interleave(inverse_shift, inverse_sizes, output_size=total)
+        host = np.concatenate([new_sizes[kept], sizes[old_order], forward_shift, inverse_shift[old_order] - total])
+        packed = torch.from_numpy(host).to(device, non_blocking=True)  # one copy
+        half = host.size // 2
+        both = torch.arange(2 * total, device=device)
+        both += torch.repeat_interleave(packed[half:], packed[:half], output_size=2 * total)
+        self.forward, self.inverse = both[:total], both[total:]
 
     @classmethod
     def recv_order(cls, rank_plan: RankPlan, device: torch.device) -> "_RowPermutation":

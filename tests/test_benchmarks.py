@@ -113,3 +113,6 @@ def test_host_overhead(tmp_path):
     assert rows["balanced"]["mode"] == "plain" and rows["balanced"]["extra_rows"] == 0
     # the plan is folded into Megatron's permute: no row gathered beyond stock EP (16 experts per rank)
     assert rows["0.95:4"]["mode"] == "llep" and rows["0.95:4"]["extra_rows"] == 0 and rows["0.95:4"]["columns"] > 0
+    # stock's chunk sorts, which LLEP's receive gathers replace, are timed and netted out
+    assert "net host ms" in stdout and rows["0.95:4"]["stock_sorts_ms"] > 0 and rows["balanced"]["stock_sorts_ms"] == 0
+    assert rows["0.95:4"]["net_host_ms"] == rows["0.95:4"]["extra_host_ms"] - rows["0.95:4"]["stock_sorts_ms"]
