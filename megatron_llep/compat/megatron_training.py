@@ -146,6 +146,10 @@ def _add_helpers_dir() -> None:
     from megatron.core import datasets
 
     directory = helpers_cache_dir()
+    # created now, so the import system's finder for it exists and notices a helper that rank 0
+    # compiles into it later (a finder cached for a missing directory never looks again)
+    os.makedirs(directory, exist_ok=True)
+    sys.path_importer_cache.pop(directory, None)
     if directory not in datasets.__path__:
         datasets.__path__.append(directory)
 
