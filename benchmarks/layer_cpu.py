@@ -28,7 +28,6 @@ bandwidth between the two ranks), so cost-aware spilling judges CPU, not H200, n
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -38,6 +37,7 @@ from typing import Optional
 
 import numpy as np
 
+from cpu_memory import malloc_for, peak_rss_rise
 from common import BALANCED, DEEPSEEK_V3, GPT_OSS_120B, KIMI_K2, SCENARIOS, LayerShape, Scenario, print_table, write_results
 
 EP_SIZE = 2
@@ -60,56 +60,6 @@ class Point:
     ablation: str = ""
     value: str = ""
     memory: bool = True
-
-
-def _rss(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (glibc malloc.h)
-HEAP_RESERVE = 1 << 30  # heap pre-faulted for timed runs (layers' step working sets are well under it)
-
-
-def _malloc_for(timing: bool) -> None:
-    """glibc malloc for timing (freed buffers stay in the heap and are reused, as in a GPU's
-    caching allocator) or for memory measurement (every tensor buffer is its own mapping, returned
-    to the OS when freed; glibc's default trim threshold).
-
-    For timing, :data:`HEAP_RESERVE` of heap is also faulted in once and freed (and, with the trim
-    threshold above it, kept): a layer whose buffers fragment the heap differently from step to
-    step would otherwise grow it into fresh pages now and then, and the first touch of a fresh page
-    costs 2-12 us on a VM (an 11.8 MB gather took 25-43 ms instead of 1 ms, 2,880 page faults), a
-    cost a GPU's caching allocator does not have once warm."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(_M_MMAP_THRESHOLD, (32 << 20) if timing else (64 << 10))
-    libc.mallopt(_M_TRIM_THRESHOLD, (2 * HEAP_RESERVE) if timing else (128 << 10))
-    if timing:
-        libc.malloc.restype = ctypes.c_void_p
-        libc.free.argtypes = [ctypes.c_void_p]
-        chunk = 16 << 20  # under the mmap threshold: carved from the heap
-        blocks = [libc.malloc(chunk) for _ in range(HEAP_RESERVE // chunk)]
-        for block in blocks:
-            if block:
-                ctypes.memset(block, 0, chunk)
-        for block in blocks:
-            libc.free(block)
-
-
-def _peak_rss_rise(fn) -> int:
-    _malloc_for(timing=False)
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand free heap pages back, or the step reuses them unseen
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        base = _rss("VmRSS")
-        fn()
-        return _rss("VmHWM") - base
-    finally:
-        _malloc_for(timing=True)
 
 
 def _calibrate(shape: LayerShape, rank: int):
@@ -197,7 +147,7 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
     from megatron_llep.testing.moe import init_expert_parallel
 
     init_expert_parallel(world)
-    _malloc_for(timing=True)
+    malloc_for(timing=True)
 
     def group_max(value: float) -> float:
         t = torch.tensor([value])
@@ -255,7 +205,7 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
         if point.memory:
             for name, layer in (("ep", stock), ("llep", llep)):
                 layer.zero_grad(set_to_none=True)
-                mem = _peak_rss_rise(lambda: step(layer))
+                mem = peak_rss_rise(lambda: step(layer))
                 mem_all = torch.tensor([float(mem)])
                 dist.all_reduce(mem_all, op=dist.ReduceOp.MAX)
                 row[f"{name}_peak_mb"] = float(mem_all) / 1e6
