@@ -31,7 +31,7 @@ from megatron_llep.placement.metrics import (
     Topology, coactivation, comm_cost, devices_per_token, distinct_per_row, load_imbalance, max_over_mean,
 )
 from megatron_llep.placement.replication import eplb_placement, route_with_replicas
-from megatron_llep.placement.trace import synthetic_trace
+from megatron_llep.placement.trace import expert_counts, synthetic_trace
 from megatron_llep.planner import plan_llep
 
 
@@ -67,48 +67,88 @@ def _llep_max_mean(eval_ids: np.ndarray, device_of_expert: np.ndarray, ep_size: 
     return max_over_mean(plan_llep(counts, config).rank_loads_after)
 
 
+def compare_placements(
+    fit_ids: np.ndarray,
+    eval_sets: dict[str, np.ndarray],
+    num_experts: int,
+    topo: Topology,
+    lam: float,
+    redundant: int,
+    llep: LLEPConfig,
+) -> tuple[list[dict], dict]:
+    """Sequential, sequential+LLEP, EPLB (``redundant`` extra slots per GPU), CAP comm-optimal,
+    CAP by ``lam`` and CAP comm-optimal+LLEP, all fit on ``fit_ids`` (``[T, K]`` expert ids) and
+    scored on each of ``eval_sets`` (rows labelled ``eval``): the one computation behind the
+    synthetic report and the real-trace transfer table. Also returns the fit's CAP spectrum."""
+    n, ep = num_experts, topo.ep_size
+    fit_loads = expert_counts(fit_ids, n)
+    start = time.perf_counter()
+    cap = plan_cap(coactivation(fit_ids, n), fit_loads, topo, lam=lam)
+    plan_s = time.perf_counter() - start
+    sequential = np.arange(n) // (n // ep)
+    replicated = eplb_placement(fit_loads, ep, redundant)
+    rows = []
+    for name, eval_ids in eval_sets.items():
+        eval_loads, eval_coact = expert_counts(eval_ids, n), coactivation(eval_ids, n)
+
+        def row(method: str, device: np.ndarray, with_llep: bool = False) -> dict:
+            r = {"method": method, "eval": name, "devices_per_token": devices_per_token(eval_ids, device).mean(),
+                 "nodes_per_token": devices_per_token(eval_ids, topo.node_of(device)).mean(),
+                 "comm_cost": comm_cost(eval_coact, device, topo), "max_mean": load_imbalance(eval_loads, device, ep)}
+            if with_llep:
+                r["llep_max_mean"] = _llep_max_mean(eval_ids, device, ep, llep)
+            return r
+
+        served, eplb_loads = route_with_replicas(eval_ids, replicated)
+        rows += [
+            row("sequential", sequential),
+            row("sequential+LLEP", sequential, with_llep=True),
+            {"method": f"EPLB (+{redundant} slot/GPU)", "eval": name,
+             "devices_per_token": distinct_per_row(served).mean(),
+             "nodes_per_token": distinct_per_row(np.where(served >= 0, topo.node_of(served), -1)).mean(),
+             "max_mean": max_over_mean(eplb_loads)},
+            row("CAP comm-optimal", cap.comm_optimal.device_of_expert),
+            row(f"CAP {cap.selection} (step {cap.chosen})", cap.chosen_point.device_of_expert),
+            row("CAP comm-optimal+LLEP", cap.comm_optimal.device_of_expert, with_llep=True),
+        ]
+    spectrum = {"plan_s": plan_s, "chosen": cap.chosen,
+                "comm_cost_sequential": comm_cost(coactivation(fit_ids, n), sequential, topo),
+                "comm_cost": [p.comm_cost for p in cap.spectrum], "imbalance": [p.imbalance for p in cap.spectrum]}
+    return rows, spectrum
+
+
 def evaluate(scenario: TraceScenario, tokens: int, lam: float, redundant: int, llep: LLEPConfig, seed: int) -> tuple[list[dict], dict]:
     trace, _ = synthetic_trace(2 * tokens, scenario.num_experts, scenario.topk, scenario.num_clusters,
                                scenario.affinity, scenario.load_skew, seed=seed)
     fit, held_out = trace.split(0.5)
-    fit_ids, eval_ids = fit.layer(1).expert_ids, held_out.layer(1).expert_ids
-    n, ep = scenario.num_experts, scenario.ep_size
-    topo = Topology(ep, scenario.gpus_per_node)
-    fit_loads, eval_loads = fit.layer(1).expert_counts, held_out.layer(1).expert_counts
-    eval_coact = coactivation(eval_ids, n)
-    start = time.perf_counter()
-    cap = plan_cap(coactivation(fit_ids, n), fit_loads, topo, lam=lam)
-    plan_s = time.perf_counter() - start
+    eval_ids = held_out.layer(1).expert_ids
+    topo = Topology(scenario.ep_size, scenario.gpus_per_node)
+    rows, spectrum = compare_placements(fit.layer(1).expert_ids, {"held out": eval_ids}, scenario.num_experts, topo,
+                                        lam, redundant, llep)
+    rows = [{"scenario": scenario.name, **r, "num_experts": scenario.num_experts, "topk": scenario.topk,
+             "ep": scenario.ep_size, "gpus_per_node": scenario.gpus_per_node, "affinity": scenario.affinity,
+             "load_skew": scenario.load_skew, "eval_tokens": len(eval_ids)} for r in rows]
+    return rows, {"scenario": scenario.name, **spectrum}
 
-    def row(method: str, device: np.ndarray, with_llep: bool = False) -> dict:
-        r = {"scenario": scenario.name, "method": method, "devices_per_token": devices_per_token(eval_ids, device).mean(),
-             "nodes_per_token": devices_per_token(eval_ids, topo.node_of(device)).mean(),
-             "comm_cost": comm_cost(eval_coact, device, topo), "max_mean": load_imbalance(eval_loads, device, ep)}
-        if with_llep:
-            r["llep_max_mean"] = _llep_max_mean(eval_ids, device, ep, llep)
-        return r
 
-    sequential = np.arange(n) // (n // ep)
-    replicated = eplb_placement(fit_loads, ep, redundant)
-    served, eplb_loads = route_with_replicas(eval_ids, replicated)
-    rows = [
-        row("sequential", sequential),
-        row("sequential+LLEP", sequential, with_llep=True),
-        {"scenario": scenario.name, "method": f"EPLB (+{redundant} slot/GPU)",
-         "devices_per_token": distinct_per_row(served).mean(),
-         "nodes_per_token": distinct_per_row(np.where(served >= 0, topo.node_of(served), -1)).mean(),
-         "max_mean": max_over_mean(eplb_loads)},
-        row("CAP comm-optimal", cap.comm_optimal.device_of_expert),
-        row(f"CAP {cap.selection} (step {cap.chosen})", cap.chosen_point.device_of_expert),
-        row("CAP comm-optimal+LLEP", cap.comm_optimal.device_of_expert, with_llep=True),
-    ]
-    for r in rows:
-        r.update(num_experts=n, topk=scenario.topk, ep=ep, gpus_per_node=scenario.gpus_per_node,
-                 affinity=scenario.affinity, load_skew=scenario.load_skew, eval_tokens=len(eval_ids))
-    spectrum = {"scenario": scenario.name, "plan_s": plan_s, "chosen": cap.chosen,
-                "comm_cost_sequential": comm_cost(coactivation(fit_ids, n), sequential, topo),
-                "comm_cost": [p.comm_cost for p in cap.spectrum], "imbalance": [p.imbalance for p in cap.spectrum]}
-    return rows, spectrum
+def stability_rows(
+    fit_ids: np.ndarray, eval_sets: dict[str, np.ndarray], num_experts: int, topo: Topology, token_counts: tuple
+) -> list[dict]:
+    """CAP (comm-optimal) fit on the first T of ``fit_ids`` for each T of ``token_counts``, scored
+    on each of ``eval_sets`` (rows labelled ``eval``); the co-activation error is relative to the
+    largest fit."""
+    n = num_experts
+    reference = coactivation(fit_ids[:max(token_counts)], n)
+    eval_coacts = {name: coactivation(ids, n) for name, ids in eval_sets.items()}
+    rows = []
+    for count in token_counts:
+        coact = coactivation(fit_ids[:count], n)
+        device = plan_cap(coact, expert_counts(fit_ids[:count], n), topo).comm_optimal.device_of_expert
+        error = float(np.linalg.norm(coact - reference) / np.linalg.norm(reference))
+        rows += [{"fit_tokens": count, "eval": name, "coact_rel_error": error,
+                  "devices_per_token": devices_per_token(ids, device).mean(),
+                  "comm_cost": comm_cost(eval_coacts[name], device, topo)} for name, ids in eval_sets.items()]
+    return rows
 
 
 def stability(scenario: TraceScenario, token_counts: tuple, seed: int) -> list[dict]:
@@ -117,19 +157,9 @@ def stability(scenario: TraceScenario, token_counts: tuple, seed: int) -> list[d
     trace, _ = synthetic_trace(2 * largest, scenario.num_experts, scenario.topk, scenario.num_clusters,
                                scenario.affinity, scenario.load_skew, seed=seed + 1)
     ids = trace.layer(1).expert_ids
-    fit_all, eval_ids = ids[:largest], ids[largest:]
-    n, topo = scenario.num_experts, Topology(scenario.ep_size, scenario.gpus_per_node)
-    reference = coactivation(fit_all, n)
-    rows = []
-    for count in token_counts:
-        coact = coactivation(fit_all[:count], n)
-        loads = np.bincount(fit_all[:count].ravel(), minlength=n)
-        device = plan_cap(coact, loads, topo).comm_optimal.device_of_expert
-        rows.append({"scenario": scenario.name, "fit_tokens": count,
-                     "coact_rel_error": float(np.linalg.norm(coact - reference) / np.linalg.norm(reference)),
-                     "devices_per_token": devices_per_token(eval_ids, device).mean(),
-                     "comm_cost": comm_cost(coactivation(eval_ids, n), device, topo)})
-    return rows
+    topo = Topology(scenario.ep_size, scenario.gpus_per_node)
+    return [{"scenario": scenario.name, **r}
+            for r in stability_rows(ids[:largest], {"held out": ids[largest:]}, scenario.num_experts, topo, token_counts)]
 
 
 def plot(path: str, rows: list[dict], spectra: list[dict], stable: list[dict]) -> None:
@@ -174,12 +204,18 @@ def plot(path: str, rows: list[dict], spectra: list[dict], stable: list[dict]) -
     print(f"wrote {path}")
 
 
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags :func:`compare_placements` takes (also real_routing.py's): ``lam``, ``redundant``
+    and ``min_chunk_tokens``."""
+    parser.add_argument("--lambda", dest="lam", type=float, default=0.5, help="CAP's C/B trade-off")
+    parser.add_argument("--redundant", type=int, default=1, help="EPLB extra expert slots per GPU")
+    parser.add_argument("--min-chunk-tokens", type=int, default=64, help="LLEP m for the +LLEP rows")
+
+
 def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384, help="fit tokens (as many again are held out)")
-    parser.add_argument("--lambda", dest="lam", type=float, default=0.5)
-    parser.add_argument("--redundant", type=int, default=1, help="EPLB extra expert slots per GPU")
-    parser.add_argument("--min-chunk-tokens", type=int, default=64, help="LLEP m for the +LLEP rows")
+    add_placement_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="one tiny scenario (tests)")
     parser.add_argument("--out", default="results/placement_report.json")

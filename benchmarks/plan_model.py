@@ -167,42 +167,60 @@ def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeat
     return float(np.median(times))
 
 
+def ep_config(config: LLEPConfig, model: CostModel, ep: int) -> LLEPConfig:
+    """``config``'s knobs at EP size ``ep``: ``RANKS_PER_NODE`` ranks per node, ``model``'s costs."""
+    return LLEPConfig(alpha=config.alpha, min_chunk_tokens=config.min_chunk_tokens,
+                      imbalance_threshold=config.imbalance_threshold,
+                      ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
+
+
+def ideal_prediction(shape: LayerShape, ep: int, config: LLEPConfig) -> dict:
+    """:func:`predict` of the force-balanced ideal: the same layer with balanced routing."""
+    return predict(plan_llep(balanced_counts(shape, ep), config, expert_shape(shape)), shape, config.cost_model)
+
+
+def compare_plans(counts: np.ndarray, shape: LayerShape, config: LLEPConfig, ideal: dict, repeats: int) -> dict:
+    """One row's figures for a ``[P, N]`` count matrix: plain EP, the plain least-loaded plan and
+    LLEP as ``config`` (from :func:`ep_config`) plans it, against the ``ideal`` prediction; shared
+    by every caller so that scenario and trace-replay rows are computed alike."""
+    model, es = config.cost_model, expert_shape(shape)
+    plain = plan_llep(counts, LLEPConfig(imbalance_threshold=1e9, cost_aware=False))
+    unaware = plan_llep(counts, replace(config, cost_aware=False))
+    llep = plan_llep(counts, config, es)
+    p_ep, p_llep = predict(plain, shape, model), predict(llep, shape, model)
+    p_unaware = predict(unaware, shape, model)
+    return {
+        "ep_max_mean": p_ep["max_mean"], "llep_max_mean": p_llep["max_mean"],
+        "unaware_max_mean": p_unaware["max_mean"],
+        "ep_ms": p_ep["layer_s"] * 1e3, "llep_ms": p_llep["layer_s"] * 1e3, "ideal_ms": ideal["layer_s"] * 1e3,
+        "unaware_ms": p_unaware["layer_s"] * 1e3, "aware_vs_unaware": p_llep["layer_s"] / p_unaware["layer_s"],
+        "capacity_x": llep.capacity * plain.ep_size / max(int(counts.sum()), 1) / config.alpha,
+        "speedup": p_ep["layer_s"] / p_llep["layer_s"], "llep_vs_ideal": p_llep["layer_s"] / ideal["layer_s"],
+        "ep_token_gb": p_ep["token_bytes"] / 1e9, "llep_token_gb": p_llep["token_bytes"] / 1e9,
+        "weight_gb": p_llep["weight_bytes"] / 1e9, "weight_copies": llep.num_weight_transfers,
+        "ep_mem_vs_ideal": p_ep["peak_act_bytes"] / ideal["peak_act_bytes"],
+        "llep_mem_vs_ideal": p_llep["peak_act_bytes"] / ideal["peak_act_bytes"],
+        "mode": "llep" if not llep.is_plain_ep else ("fallback" if llep.fallback else "plain"),
+        "plan_ms": time_planner(counts, config, es, repeats) * 1e3,
+    }
+
+
 def run(eps: list[int], scenarios: tuple, seed: int, repeats: int, config: LLEPConfig, model: CostModel) -> list[dict]:
     rows = []
     for shape in FULL_SHAPES:
-        es = expert_shape(shape)
         for ep in eps:
             if shape.num_experts % ep:
                 continue
-            ep_config = LLEPConfig(alpha=config.alpha, min_chunk_tokens=config.min_chunk_tokens,
-                                   imbalance_threshold=config.imbalance_threshold,
-                                   ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
-            unaware_config = replace(ep_config, cost_aware=False)
-            ideal = predict(plan_llep(balanced_counts(shape, ep), ep_config, es), shape, model)
+            configured = ep_config(config, model, ep)
+            ideal = ideal_prediction(shape, ep, configured)
             for scenario in scenarios:
                 if isinstance(scenario, Burst):
                     counts = burst_counts(shape, ep, scenario, seed)
                 else:
                     counts = sample_counts(shape, ep, scenario, seed)
-                plain = plan_llep(counts, LLEPConfig(imbalance_threshold=1e9, cost_aware=False))
-                unaware = plan_llep(counts, unaware_config)
-                llep = plan_llep(counts, ep_config, es)
-                p_ep, p_llep = predict(plain, shape, model), predict(llep, shape, model)
-                p_unaware = predict(unaware, shape, model)
                 rows.append({
                     "model": shape.name, "ep": ep, "scenario": scenario.label,
-                    "ep_max_mean": p_ep["max_mean"], "llep_max_mean": p_llep["max_mean"],
-                    "unaware_max_mean": p_unaware["max_mean"],
-                    "ep_ms": p_ep["layer_s"] * 1e3, "llep_ms": p_llep["layer_s"] * 1e3, "ideal_ms": ideal["layer_s"] * 1e3,
-                    "unaware_ms": p_unaware["layer_s"] * 1e3, "aware_vs_unaware": p_llep["layer_s"] / p_unaware["layer_s"],
-                    "capacity_x": llep.capacity * ep / max(int(counts.sum()), 1) / config.alpha,
-                    "speedup": p_ep["layer_s"] / p_llep["layer_s"], "llep_vs_ideal": p_llep["layer_s"] / ideal["layer_s"],
-                    "ep_token_gb": p_ep["token_bytes"] / 1e9, "llep_token_gb": p_llep["token_bytes"] / 1e9,
-                    "weight_gb": p_llep["weight_bytes"] / 1e9, "weight_copies": llep.num_weight_transfers,
-                    "ep_mem_vs_ideal": p_ep["peak_act_bytes"] / ideal["peak_act_bytes"],
-                    "llep_mem_vs_ideal": p_llep["peak_act_bytes"] / ideal["peak_act_bytes"],
-                    "mode": "llep" if not llep.is_plain_ep else ("fallback" if llep.fallback else "plain"),
-                    "plan_ms": time_planner(counts, ep_config, es, repeats) * 1e3,
+                    **compare_plans(counts, shape, configured, ideal, repeats),
                     "paper_speedup": PAPER_SPEEDUP.get(shape.name, {}).get(scenario.label) if ep == 8 else None,
                 })
     return rows
