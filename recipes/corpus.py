@@ -202,7 +202,7 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_domain: Optional[int] = None,
+def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_split: Optional[int] = None,
           log=print) -> dict:
     """Write the corpus, the tokenizer and the indexed datasets under ``out``; returns the manifest."""
     from recipes import data as sft_data
@@ -210,9 +210,10 @@ def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_domain: Option
 
     start = time.perf_counter()
     docs, files = collect()
-    if max_docs_per_domain is not None:  # smoke-sized corpora (tests): the first documents of each domain
-        kept = {d: {x.source for x in [y for y in docs if y.domain == d][:max_docs_per_domain]} for d in DOMAINS}
-        docs = [d for d in docs if d.source in kept[d.domain]]
+    if max_docs_per_split is not None:  # smoke-sized corpora (tests): the first documents of each domain and split
+        kept = {x.source for d in DOMAINS for split in SPLITS
+                for x in [y for y in docs if y.domain == d and y.split == split][:max_docs_per_split]}
+        docs = [d for d in docs if d.source in kept]
         names = {d.source.split("#")[0] for d in docs}
         files = [f for f in files if f.path in names]
     missing = [d for d in DOMAINS if not any(x.domain == d and x.split == "train" for x in docs)]
@@ -246,7 +247,7 @@ def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_domain: Option
         null_tokenizer_flags=f"--tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
                              f"--null-tokenizer-eod-id {tokenizer.eos_id}",
         tokenizer_sha256=hashlib.sha256(open(tokenizer_path, "rb").read()).hexdigest(),
-        max_docs_per_domain=max_docs_per_domain, splits=splits,
+        max_docs_per_split=max_docs_per_split, splits=splits,
         files=[dict(asdict(f), tokens=tokens_by_source.get(f.path, 0)) for f in files],
     )
     with open(os.path.join(out, "manifest.json"), "w") as f:
@@ -259,7 +260,7 @@ def check(manifest_path: str, out: str, log=print) -> list[str]:
     """Rebuild into ``out`` and compare with ``manifest_path``: the differences, one line each."""
     with open(manifest_path) as f:
         want = json.load(f)
-    got = build(out, want["vocab_size"], want.get("max_docs_per_domain"), log=log)
+    got = build(out, want["vocab_size"], want.get("max_docs_per_split"), log=log)
     problems = []
     old = {f["path"]: f for f in want["files"]}
     new = {f["path"]: f for f in got["files"]}
@@ -276,15 +277,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB, help="BPE vocabulary incl. 2 special tokens")
-    parser.add_argument("--max-docs-per-domain", type=int, default=None, help="smoke-sized corpus (tests)")
+    parser.add_argument("--max-docs-per-split", type=int, default=None, help="smoke-sized corpus (tests)")
     parser.add_argument("--check", default=None, metavar="MANIFEST",
                         help="rebuild into --out and list the files that differ from this manifest (exit 1 if any)")
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):
         parser.error(f"--vocab-size must cover the 256 byte symbols and {len(SPECIAL_TOKENS)} special tokens, "
                      f"got {args.vocab_size}")
-    if args.max_docs_per_domain is not None and args.max_docs_per_domain < 1:
-        parser.error(f"--max-docs-per-domain must be positive, got {args.max_docs_per_domain}")
+    if args.max_docs_per_split is not None and args.max_docs_per_split < 1:
+        parser.error(f"--max-docs-per-split must be positive, got {args.max_docs_per_split}")
     if args.check and not os.path.isfile(args.check):
         parser.error(f"--check: {args.check} is not a file")
     from megatron_llep.writable import creation_problem
@@ -299,7 +300,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 print(f"[corpus] {line}")
             print(f"[corpus] {'matches' if not problems else f'{len(problems)} difference(s) from'} {args.check}")
             raise SystemExit(1 if problems else 0)
-        build(args.out, args.vocab_size, args.max_docs_per_domain)
+        build(args.out, args.vocab_size, args.max_docs_per_split)
     except (CorpusError, OSError) as err:
         print(f"[corpus] error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -21,7 +21,7 @@ from recipes import corpus  # noqa: E402
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
-    manifest = corpus.build(str(out), vocab_size=320, max_docs_per_domain=12, log=lambda _: None)
+    manifest = corpus.build(str(out), vocab_size=320, max_docs_per_split=8, log=lambda _: None)
     return out, manifest
 
 
