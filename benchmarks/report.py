@@ -40,7 +40,7 @@ def _table(rows, columns) -> str:
 def layer_cpu_section(data) -> str:
     rows = [r for r in data["rows"] if not r["ablation"]]
     ablations = [r for r in data["rows"] if r["ablation"]]
-    out = [f"### Real layer on CPU, gloo, P = 2 ({data['date']})", "",
+    out = [f"### Real layer on CPU, gloo, P = 2; routing: forced (f into h; balanced rows forced uniform) ({data['date']})", "",
            f"Machine: {data['machine'].get('platform')}, {data['machine'].get('cpus')} cores, torch {data['machine'].get('torch')}. "
            f"Command: `{data['command']}`.", "",
            _table(rows, [("model", "layer", ""), ("scenario", "scenario", ""), ("mode", "plan", ""),
@@ -63,7 +63,7 @@ def layer_cpu_section(data) -> str:
 
 def plan_model_section(data) -> str:
     rows = data["rows"]
-    out = [f"### Plan-level model at full shapes ({data['date']})", "",
+    out = [f"### Plan-level model at full shapes; routing: forced (f into h, bursts; balanced rows forced uniform) ({data['date']})", "",
            f"Command: `{data['command']}`. Times are the cost model's predictions (see above), not measurements.", ""]
     for ep in sorted({r["ep"] for r in rows}):
         out += [f"P = {ep}:", "", _table([r for r in rows if r["ep"] == ep], [
@@ -79,7 +79,7 @@ def plan_model_section(data) -> str:
 
 def gpu_section(data) -> str:
     grid = [r for r in data["rows"] if r.get("section", "grid") == "grid" and r.get("ep_ms") is not None]
-    return "\n".join([f"### One H200, emulated P = {grid[0]['ep_size']} ({data['date']})", "",
+    return "\n".join([f"### One H200, emulated P = {grid[0]['ep_size']}; routing: forced (f into h; balanced rows forced uniform) ({data['date']})", "",
                       f"Machine: {data['machine']}. Command: `{data['command']}`.", "",
                       _table(grid, [("model", "layer", ""), ("scenario", "scenario", ""),
                                             ("ep_ms", "EP ms", ".2f"), ("llep_ms", "LLEP ms", ".2f"),
