@@ -10,6 +10,8 @@ Metric names (wandb keys):
 * ``throughput/tokens_per_sec``, ``throughput/tokens_per_sec_per_gpu``, ``throughput/tflops_per_gpu``
   (model FLOPs, see :func:`model_flops_per_token`), ``time/step_s``
 * ``train/loss`` (per-token mean over the global batch), ``train/grad_norm``, ``train/lr``
+* ``valid/loss``, ``valid/ppl``, ``valid/tokens`` (per-token mean over the evaluated validation batches,
+  its exponential, the loss tokens), at each evaluation
 * ``memory/peak_gib`` (max over ranks: CUDA max allocated, or the process's peak RSS on CPU)
 * ``moe/layer_<n>/{max_mean_before,max_mean_after,spilled_tokens,weight_bytes,plan_time_ms,llep_active}``
   (LLEP layers; averaged over micro-batches and EP groups) and ``moe/layer_<n>/max_mean_load``
@@ -19,9 +21,10 @@ Metric names (wandb keys):
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -102,6 +105,28 @@ class MoELoadMeter:
         """This rank's counts since the last drain, by global layer number."""
         counts, self._counts = self._counts, {}
         return {layer: c.numpy() for layer, c in counts.items()}
+
+    def restore(self, counts: dict[int, np.ndarray]) -> None:
+        """Count again what :meth:`drain` returned (added to anything counted since)."""
+        for layer, c in counts.items():
+            self._counts[layer] = self._counts.get(layer, 0) + torch.from_numpy(c)
+
+
+@contextlib.contextmanager
+def moe_metrics_apart(load_meter: MoELoadMeter) -> Iterator[None]:
+    """Keep the routing loads and LLEP statistics of the forwards in the block (an evaluation, which
+    gathers its own) out of those counted before it (training steps not yet logged): this rank's
+    are set aside and put back afterwards, so neither is reported as the other."""
+    loads, llep = load_meter.drain(), STATS.drain()
+    try:
+        yield
+    finally:
+        load_meter.drain()  # what the block did not gather
+        STATS.drain()
+        load_meter.restore(loads)
+        for entries in llep.values():
+            for stats in entries:
+                STATS.record(stats)
 
 
 def gather_moe_metrics(load_meter: MoELoadMeter) -> tuple[dict[str, float], Optional[np.ndarray], list[int]]:

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 from functools import partial
-from typing import Any, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from megatron_llep.writable import creation_problem  # noqa: E402
 from recipes import data as sft_data  # noqa: E402
 from recipes.models import RECIPES  # noqa: E402
 
+if TYPE_CHECKING:
+    from recipes import dashboard
+
 # run_info entries a resumed run must share with the saved one
 RESUME_MUST_MATCH = ("recipe", "seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "expert_model_parallel_size")
@@ -54,8 +57,13 @@ LLEP_FLAGS = {"alpha": "--llep-alpha", "min_chunk_tokens": "--llep-min-chunk-tok
 # numeric flags and their domains, checked before any process group or model exists
 POSITIVE = ("train_iters", "micro_batch_size", "global_batch_size", "seq_length", "lr", "log_interval",
             "heatmap_interval", "trace_tokens_per_layer", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-            "expert_model_parallel_size", "save_interval", "exit_interval")
+            "expert_model_parallel_size", "save_interval", "exit_interval", "eval_interval", "eval_iters")
 NON_NEGATIVE = ("min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
+# validation global batches per evaluation without --eval-iters
+DEFAULT_EVAL_ITERS = 10
+# the sample order --valid-data is packed in: fixed, not --seed's, so that runs with other seeds are
+# evaluated on the same windows
+VALID_PACKING_SEED = 0
 # seconds a rank other than 0 waits, after finding a usage error, for the launcher to end it once rank 0
 # (which finds the same error) has reported it; then it reports the error itself
 PEER_ERROR_GRACE_S = 30.0
@@ -106,6 +114,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     data.add_argument("--data", default=sft_data.DEFAULT_DATA, help="SFT JSONL file (see recipes/data.py for the formats)")
     data.add_argument("--tokenizer", default=sft_data.DEFAULT_TOKENIZER,
                       help="local tokenizer.json (file or directory) or a byte-tokenizer file")
+    data.add_argument("--valid-data", default=None, metavar="PATH",
+                      help="validation JSONL file (the formats of --data): evaluated after the last iteration and "
+                           "every --eval-interval iterations")
+    data.add_argument("--eval-interval", type=int, default=None,
+                      help="evaluate every N iterations too (default: only after the last one); needs --valid-data")
+    data.add_argument("--eval-iters", type=int, default=None,
+                      help=f"validation global batches per evaluation, the same ones from the start of --valid-data "
+                           f"each time (default {DEFAULT_EVAL_ITERS}, capped at what it holds); needs --valid-data")
 
     train = parser.add_argument_group("training")
     train.add_argument("--train-iters", type=int, default=6)
@@ -192,6 +208,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--watchdog-timeout must be >= 0 seconds (0: off), got {args.watchdog_timeout}")
     if args.save_interval and not args.save:
         parser.error("--save-interval needs --save")
+    for flag in ("eval_interval", "eval_iters"):
+        if getattr(args, flag) is not None and args.valid_data is None:
+            parser.error(f"--{flag.replace('_', '-')} needs --valid-data")
     if args.force_routing is not None:
         try:
             fraction, hot = args.force_routing.split(":")
@@ -203,7 +222,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         experts = None if args.hf_checkpoint else RECIPES[args.recipe]().config.num_moe_experts  # else: build() checks
         if experts is not None and args.force_routing[1] > experts:
             parser.error(f"--force-routing F:H: H = {args.force_routing[1]} hot experts, but {args.recipe} has {experts}")
-    for path, what in ((args.data, "--data"), (args.tokenizer, "--tokenizer"), (args.placement, "--placement")):
+    for path, what in ((args.data, "--data"), (args.valid_data, "--valid-data"), (args.tokenizer, "--tokenizer"),
+                       (args.placement, "--placement")):
         if path is not None and not os.path.exists(path):
             parser.error(f"{what}: {path} does not exist")
         if path is not None and what != "--tokenizer" and os.path.isdir(path):
@@ -442,6 +462,64 @@ def _moe_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+def validation_set(args: argparse.Namespace, tokenizer: sft_data.Tokenizer,
+                   global_batch: int) -> tuple[sft_data.PackedSFTDataset, int]:
+    """``--valid-data`` read and packed like ``--data`` (in a fixed order) and the global batches an
+    evaluation takes: ``--eval-iters``, capped at the whole global batches the data holds."""
+    samples = sft_data.read_sft_jsonl(args.valid_data, tokenizer)
+    try:
+        dataset = sft_data.PackedSFTDataset(samples, args.seq_length, seed=VALID_PACKING_SEED)
+    except sft_data.DataError as err:  # too short: name the file, as read errors do
+        raise sft_data.DataError(f"--valid-data {args.valid_data}: {err}") from None
+    batches = min(args.eval_iters or DEFAULT_EVAL_ITERS, dataset.num_windows // global_batch)
+    if batches == 0:
+        raise sft_data.DataError(f"--valid-data {args.valid_data} holds {dataset.num_windows} sequence(s) of "
+                                 f"{args.seq_length} tokens, fewer than one global batch of {global_batch}")
+    return dataset, batches
+
+
+def _global_loss(reported: list[dict]) -> tuple[float, int]:
+    """Per-token mean loss and loss-token count of the micro-batches' ``"lm loss"`` sums, over every
+    data-parallel rank (collective over the DP group; last pipeline stage only)."""
+    from megatron.core import parallel_state
+
+    totals = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return (float(totals[0] / totals[1]) if totals[1] > 0 else math.nan), int(totals[1])
+
+
+def evaluate(model: torch.nn.Module, forward_backward: Callable, forward_step: Callable, step_state: dict,
+             dataset: sft_data.PackedSFTDataset, batches: int, args: argparse.Namespace, layout: dict[str, int],
+             iteration: int, load_meter: dashboard.MoELoadMeter) -> tuple[float, int, dict[str, float]]:
+    """Validation after ``iteration``: Megatron's schedule forward only, in eval mode without autograd
+    (LLEP balancing as in training), over the first ``batches`` global batches of ``dataset``. The
+    same windows every time, so values compare across evaluations and between LLEP and plain EP.
+
+    Returns the per-token mean loss and its token count (last pipeline stage; nan and 0 elsewhere)
+    and these forwards' MoE metrics, kept apart from the training steps'. Collective (all ranks)."""
+    from megatron.core import parallel_state
+
+    from recipes import dashboard, watchdog
+
+    iterator = sft_data.micro_batches(dataset, 0, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
+                                      layout["dp"])
+    step_state["microbatch"] = 0  # forced routing: the same seeds at every evaluation
+    reported = []
+    model.eval()
+    with torch.no_grad(), dashboard.moe_metrics_apart(load_meter):
+        for batch in range(batches):
+            watchdog.progress(f"validation batch {batch + 1}/{batches} after step {iteration}")
+            reported += forward_backward(
+                forward_step_func=forward_step, data_iterator=iterator, model=[model],
+                num_microbatches=layout["num_microbatches"], seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True,
+            )
+        moe_metrics, _, _ = dashboard.gather_moe_metrics(load_meter)
+    model.train()
+    loss, tokens = _global_loss(reported) if parallel_state.is_pipeline_last_stage() else (math.nan, 0)
+    return loss, tokens, moe_metrics
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of the masked per-token losses and the token count (Megatron's per-token-loss form)."""
     loss = (output_tensor.float() * loss_mask).sum()
@@ -559,7 +637,8 @@ def _check_memory(args: argparse.Namespace, layout: dict[str, int], device: torc
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the fine-tuning loop; returns a summary (last loss, steps run, checkpoint) on every rank."""
+    """Run the fine-tuning loop; returns a summary (last loss, last validation loss or None, steps run,
+    checkpoint) on every rank."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -584,6 +663,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         hf_config = hf_config_for(args, resume_from)
         num_experts = make_recipe(args, hf_config, cpu=device.type == "cpu").config.num_moe_experts
         layout = parallel_layout(args, world, num_experts)
+        valid_set, eval_batches = None, 0
+        if args.valid_data:
+            _progress(rank, f"reading {args.valid_data}")
+            valid_set, eval_batches = validation_set(args, tokenizer, layout["global_batch"])
         estimate = _check_memory(args, layout, device, hf_config)
     except (sft_data.DataError, ConfigError, checkpointing.CheckpointError) as err:
         _fail(err, rank)
@@ -649,13 +732,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if args.force_routing:
             print(f"[finetune] forcing routing: {args.force_routing[0]:.0%} of tokens into "
                   f"{args.force_routing[1]} hot expert(s)", flush=True)
+        if valid_set is not None:
+            requested = args.eval_iters or DEFAULT_EVAL_ITERS
+            capped = f"; --eval-iters {requested} capped to the {eval_batches} it holds" \
+                if eval_batches < requested else ""
+            every = f"every {args.eval_interval} iterations and " if args.eval_interval else ""
+            print(f"[finetune] validation: {eval_batches} global batch(es) of {args.valid_data} "
+                  f"({eval_batches * layout['global_batch']} of its {valid_set.num_windows} sequences) "
+                  f"{every}after iteration {args.train_iters}{capped}", flush=True)
 
     forward_backward = get_forward_backward_func()
     step_state = {"microbatch": 0}  # forced-routing seeds: a function of (iteration, micro-batch), resumable
     forward_step = partial(_forward_step, device, layers, args, config, step_state)
+    eval_state = {"microbatch": 0}
+    eval_step = partial(_forward_step, device, layers, args, config, eval_state)
     stop = _StopRequest()
     tokens_per_step = layout["global_batch"] * args.seq_length
     last_loss = math.nan
+    last_valid_loss = None  # after the first evaluation: its loss (nan off the last pipeline stage)
     last_saved = None
     first_iteration, loop_start = progress.iteration, time.perf_counter()
     while progress.iteration < args.train_iters:
@@ -682,10 +776,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         progress.consumed_samples += layout["global_batch"]
 
         if parallel_state.is_pipeline_last_stage():
-            totals = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
-            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-            last_loss = float(totals[0] / totals[1]) if totals[1] > 0 else math.nan
-            if totals[1] == 0 and is_logger:
+            last_loss, loss_tokens = _global_loss(reported)
+            if loss_tokens == 0 and is_logger:
                 print(f"[finetune] step {progress.iteration}: the global batch has no loss tokens (every label is "
                       "masked, e.g. prompts longer than --seq-length): its loss is undefined (nan)", flush=True)
         if progress.iteration % args.log_interval == 0 or progress.iteration == args.train_iters:
@@ -712,6 +804,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                       f"({metrics['throughput/tokens_per_sec_per_gpu']:,.0f}/GPU, "
                       f"{metrics['throughput/tflops_per_gpu']:.3f} TFLOP/s/GPU) | step {elapsed:.3f} s | "
                       f"peak {metrics['memory/peak_gib']:.2f} GiB | {_llep_summary(metrics)}", flush=True)
+        if valid_set is not None and (progress.iteration == args.train_iters or bool(
+                args.eval_interval and progress.iteration % args.eval_interval == 0)):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            eval_start = time.perf_counter()
+            last_valid_loss, valid_tokens, valid_moe = evaluate(model, forward_backward, eval_step, eval_state,
+                                                                valid_set, eval_batches, args, layout,
+                                                                progress.iteration, load_meter)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            eval_seconds = time.perf_counter() - eval_start
+            ppl = float(torch.tensor(last_valid_loss, dtype=torch.float64).exp())  # inf, not an error, past e^709
+            wandb_board.log(progress.iteration, {"valid/loss": last_valid_loss, "valid/ppl": ppl,
+                                                 "valid/tokens": valid_tokens})
+            if is_logger:
+                print(f"[finetune] validation at step {progress.iteration} | loss {last_valid_loss:.4f} | "
+                      f"ppl {ppl:.2f} | {valid_tokens:,} tokens | {eval_seconds:.3f} s | {_llep_summary(valid_moe)}",
+                      flush=True)
         stopping = stop.agreed(device) or bool(args.exit_interval and progress.iteration % args.exit_interval == 0)
         if args.save and (stopping or (args.save_interval and progress.iteration % args.save_interval == 0)):
             last_saved = _save(args, model, optimizer, scheduler, progress, run_info, placement, is_logger)
@@ -738,8 +848,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "not saved (no --save)"
         print(f"[finetune] done: {steps} step(s) this run, now at iteration {progress.iteration}/{args.train_iters}, "
               f"{steps * tokens_per_step:,} tokens in {time.perf_counter() - loop_start:.1f} s "
-              f"({time.perf_counter() - started:.1f} s with start-up), final loss {last_loss:.4f}, {saved}", flush=True)
-    summary = dict(iteration=progress.iteration, loss=last_loss, checkpoint=last_saved, wandb_dir=wandb_board.run_dir)
+              f"({time.perf_counter() - started:.1f} s with start-up), final loss {last_loss:.4f}, "
+              f"{'' if last_valid_loss is None else f'validation loss {last_valid_loss:.4f}, '}{saved}", flush=True)
+    summary = dict(iteration=progress.iteration, loss=last_loss, valid_loss=last_valid_loss, checkpoint=last_saved,
+                   wandb_dir=wandb_board.run_dir)
     watchdog.stop()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

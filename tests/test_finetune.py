@@ -1,9 +1,10 @@
 """The fine-tuning entry point (recipes/finetune.py) end to end under torchrun on 2 CPU ranks:
 the README's main job, exact resume from a dist_checkpointing checkpoint, gradient accumulation,
 LLEP == plain EP on the DeepSeek-V3 architecture, pipeline parallelism, the wandb dashboard read
-back from the offline run file, and clean errors for bad input."""
+back from the offline run file, validation (--valid-data) and clean errors for bad input."""
 
 import glob
+import json
 import math
 import os
 import subprocess
@@ -107,10 +108,14 @@ def test_llep_equals_plain_ep_on_deepseek_v3_architecture(tmp_path):
 
 
 def test_pipeline_parallel_deepseek_v3_architecture():
-    lines = _ok(_torchrun(*SMALL, "--recipe", "deepseek-v3-tiny", "--pipeline-model-parallel-size", "2",
-                          "--train-iters", "2"))
+    proc = _torchrun(*SMALL, "--recipe", "deepseek-v3-tiny", "--pipeline-model-parallel-size", "2",
+                     "--train-iters", "2", "--valid-data", os.path.join(ROOT, "recipes", "data", "tiny_sft.jsonl"),
+                     "--eval-iters", "1")
+    lines = _ok(proc)
     assert len(lines) == 2
     losses = [float(line.split("loss ")[1].split(" ")[0]) for line in lines]
+    valid, = _validation_lines(proc)  # from the last stage, which holds the loss
+    losses.append(float(valid.split("loss ")[1].split(" ")[0]))
     assert all(math.isfinite(x) and 4.0 < x < 7.0 for x in losses)  # ~ln(258) at initialisation
 
 
@@ -137,17 +142,19 @@ def test_bad_jsonl_line_is_named(tmp_path):
     assert proc.returncode != 0 and f"{data}:2: not valid JSON" in proc.stderr
 
 
-def test_bad_arguments_fail_before_starting():
-    def run(*args):
-        return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def _parse_only(*args):
+    """finetune.py without torchrun: usage errors end it before any process group exists."""
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
-    proc = run("--force-routing", "lots")
+
+def test_bad_arguments_fail_before_starting():
+    proc = _parse_only("--force-routing", "lots")
     assert proc.returncode == 2 and "F:H" in proc.stderr
-    proc = run("--data", "/nonexistent.jsonl")
+    proc = _parse_only("--data", "/nonexistent.jsonl")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = run("--save-interval", "2")
+    proc = _parse_only("--save-interval", "2")
     assert proc.returncode == 2 and "needs --save" in proc.stderr
-    proc = run()
+    proc = _parse_only()
     assert proc.returncode != 0 and "torchrun" in (proc.stderr + proc.stdout)
 
 
@@ -207,3 +214,83 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
     resumed = _torchrun(*SMALL, "--train-iters", str(iteration + 1), "--load", ckpt)
     assert f"resumed from {ckpt} at iteration {iteration}" in resumed.stdout
     assert len(_ok(resumed)) == 1
+
+
+def _validation_lines(proc):
+    return [line for line in proc.stdout.splitlines() if line.startswith("[finetune] validation at step")]
+
+
+def test_validation_loss_is_reported_at_the_eval_steps(tmp_path):
+    """One text record of 144 tokens: 4 windows of 32, exactly one global batch (2 x DP 2), so every
+    training step and every evaluation see the same 4 windows, all tokens trained. The validation
+    loss after step S must then equal the training loss of step S + 1 (same parameters, same
+    windows; train-mode forward, reduced by the loop) and count 4 x 32 tokens."""
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog. " * 3 + "abcdefg"}) + "\n")
+    proc = _torchrun(*SMALL, "--data", str(data), "--valid-data", str(data), "--train-iters", "3",
+                     "--eval-interval", "1", "--eval-iters", "3", "--lr-warmup-iters", "0", "--wandb-project", "t",
+                     "--wandb-save-dir", str(tmp_path / "w"))
+    steps = _ok(proc)
+    assert len(steps) == 3
+    assert proc.stdout.count("--eval-iters 3 capped to the 1 it holds") == 1
+    lines = _validation_lines(proc)
+    assert [line.split(" | ")[0] for line in lines] == [f"[finetune] validation at step {s}" for s in (1, 2, 3)]
+    history, _ = _history(tmp_path / "w")
+    for step in (1, 2, 3):
+        row = history[step]
+        assert row["valid/tokens"] == 128
+        assert row["valid/ppl"] == pytest.approx(math.exp(row["valid/loss"]), rel=1e-9)
+        assert f"| loss {row['valid/loss']:.4f} | ppl {row['valid/ppl']:.2f} | 128 tokens |" in lines[step - 1]
+    for step in (1, 2):
+        assert history[step]["valid/loss"] == pytest.approx(history[step + 1]["train/loss"], rel=1e-6)
+    assert history[1]["valid/loss"] < history[1]["train/loss"] - 1e-3  # the evaluation saw the trained model
+    done, = [line for line in proc.stdout.splitlines() if line.startswith("[finetune] done:")]
+    assert f"validation loss {history[3]['valid/loss']:.4f}" in done
+
+
+def test_validation_with_llep_equals_plain_ep(tmp_path):
+    """90% of the tokens forced into 4 hot experts (evaluation forwards too): LLEP spills while
+    evaluating and gives plain EP's validation loss. Evaluating in between log steps leaves the
+    training metrics as without it; another validation file gives another loss (the comparison
+    is sensitive)."""
+    records = [{"prompt": "What is the capital of France?", "response": "Paris is the capital of France."},
+               {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}]},
+               {"text": "Validation text about experts, routers and load balancing across ranks."}]
+    valid, other = tmp_path / "valid.jsonl", tmp_path / "other.jsonl"
+    valid.write_text("".join(json.dumps(r) + "\n" for r in records * 3))
+    other.write_text("".join(json.dumps({"text": r["text"].upper()}) + "\n" for r in records[2:] * 6))
+    common = [*SMALL, "--train-iters", "2", "--log-interval", "2", "--force-routing", "0.9:4", "--eval-iters", "2",
+              "--wandb-project", "t"]
+    llep = _torchrun(*common, "--valid-data", str(valid), "--eval-interval", "1",
+                     "--wandb-save-dir", str(tmp_path / "llep"))
+    plain = _torchrun(*common, "--valid-data", str(valid), "--eval-interval", "1", "--no-llep",
+                      "--wandb-save-dir", str(tmp_path / "plain"))
+    elsewhere = _torchrun(*common, "--valid-data", str(other), "--wandb-save-dir", str(tmp_path / "other"))
+    for proc in (llep, plain, elsewhere):
+        _ok(proc)
+    evaluations = _validation_lines(llep)
+    assert len(evaluations) == 2 and all("LLEP 2/2 layers spilled" in line for line in evaluations), evaluations
+    with_llep, without, control = (_history(tmp_path / name)[0] for name in ("llep", "plain", "other"))
+    for step in (1, 2):
+        assert with_llep[step]["valid/loss"] == pytest.approx(without[step]["valid/loss"], rel=1e-6)
+        assert with_llep[step]["valid/tokens"] == without[step]["valid/tokens"] > 0
+    assert abs(control[2]["valid/loss"] / with_llep[2]["valid/loss"] - 1) > 1e-3
+    # the step-1 evaluation ran before the step-2 log, the control's only after it: the same training metrics
+    for key in ("train/loss", "train/grad_norm", "moe/layer_1/spilled_tokens", "moe/layer_2/max_mean_before",
+                "moe/layer_2/max_mean_load"):
+        assert with_llep[2][key] == control[2][key], key
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eval-iters", "0"], "--eval-iters must be positive, got 0"),
+        (["--eval-interval", "2"], "--eval-interval needs --valid-data"),
+        (["--valid-data", "/nonexistent/valid.jsonl"], "--valid-data: /nonexistent/valid.jsonl does not exist"),
+    ],
+    ids=["eval-iters-0", "interval-without-data", "missing-file"],
+)
+def test_bad_validation_arguments_are_usage_errors(args, message):
+    proc = _parse_only(*args)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].endswith(message), proc.stderr
