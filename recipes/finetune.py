@@ -153,6 +153,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ckpt.add_argument("--exit-interval", type=int, default=None,
                       help="stop (and save, with --save) after an iteration divisible by this, e.g. a job time slice")
     ckpt.add_argument("--load", default=None, help="resume from this save directory (or one iter_* directory)")
+    ckpt.add_argument("--pretrained", default=None, metavar="DIR",
+                      help="start from the model weights of a Megatron-LM checkpoint (recipes/pretrain_gpt.py --save "
+                           "DIR, or one iter_* directory): the model is rebuilt from the arguments it records "
+                           "(--recipe is not used), the optimizer, schedule and iteration start fresh (Megatron-LM's "
+                           "--finetune). Needs megatron-core >= 0.17. Ignored for the weights when resuming with --load")
     ckpt.add_argument("--checkpoint-verify", choices=["sha256", "size"], default="sha256",
                       help="what each checkpoint's manifest records and loading checks: every file's size and "
                            "SHA-256 (each rank hashes its own shards), or sizes only (no read-back, for huge "
@@ -219,7 +224,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--force-routing expects F:H (e.g. 0.9:1), got {args.force_routing!r}")
         if not 0.0 <= args.force_routing[0] <= 1.0 or args.force_routing[1] < 1:
             parser.error(f"--force-routing F:H needs 0 <= F <= 1 and H >= 1, got {args.force_routing}")
-        experts = None if args.hf_checkpoint else RECIPES[args.recipe]().config.num_moe_experts  # else: build() checks
+        experts = None if args.hf_checkpoint or args.pretrained else RECIPES[args.recipe]().config.num_moe_experts  # else: build() checks
         if experts is not None and args.force_routing[1] > experts:
             parser.error(f"--force-routing F:H: H = {args.force_routing[1]} hot experts, but {args.recipe} has {experts}")
     for path, what in ((args.data, "--data"), (args.valid_data, "--valid-data"), (args.tokenizer, "--tokenizer"),
@@ -237,6 +242,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         os.path.realpath(args.load) == os.path.realpath(args.save)
     if args.load is not None and not os.path.isdir(args.load) and not (load_is_save and not os.path.exists(args.load)):
         parser.error(f"--load: {args.load} is not a directory")
+    if args.pretrained is not None:
+        if not os.path.isdir(args.pretrained):
+            parser.error(f"--pretrained: {args.pretrained} is not a directory")
+        if args.hf_checkpoint is not None:
+            parser.error("--pretrained and --hf-checkpoint both give the starting weights; choose one")
     if args.hf_checkpoint is not None:
         if not os.path.isdir(args.hf_checkpoint):
             parser.error(f"--hf-checkpoint: {args.hf_checkpoint} is not a directory")
@@ -300,9 +310,35 @@ def saved_hf_config(directory: str) -> Optional[dict]:
     return dist_checkpointing.load_common_state_dict(directory).get("run_info", {}).get("hf_config")
 
 
+def megatron_lm_arguments_for(args: argparse.Namespace, checkpoint: Optional[str] = None) -> Optional[argparse.Namespace]:
+    """The Megatron-LM arguments the model is rebuilt from: ``--pretrained``'s checkpoint's, else the ones
+    recorded in the ``checkpoint`` resumed from by a run that started from one (None: not such a model)."""
+    from recipes import pretrained
+
+    if checkpoint:
+        from megatron.core import dist_checkpointing
+
+        saved = dist_checkpointing.load_common_state_dict(checkpoint).get("run_info", {}).get("megatron_lm_args")
+        return argparse.Namespace(**saved) if saved is not None else None
+    if args.pretrained:
+        try:
+            return pretrained.saved_arguments(args.pretrained)
+        except pretrained.PretrainedError as err:
+            raise ConfigError(str(err)) from None
+    return None
+
+
 def make_recipe(args: argparse.Namespace, hf_config: Optional[dict] = None, **kwargs):
     """``--recipe`` at a layout (``ep_size``, ``tp_size``, ``pp_size``, ``dtype``, ``cpu``), its sizes
-    from ``hf_config`` when given (``recipe_from_hf_config`` of the recipe's family)."""
+    from ``hf_config`` when given (``recipe_from_hf_config`` of the recipe's family), or the model
+    of a Megatron-LM checkpoint (``args.megatron_lm_args``, set by :func:`train` from ``--pretrained``)."""
+    if getattr(args, "megatron_lm_args", None) is not None:
+        from recipes import pretrained
+
+        try:
+            return pretrained.recipe_from_arguments(args.megatron_lm_args, source=args.pretrained, **kwargs)
+        except pretrained.PretrainedError as err:
+            raise ConfigError(str(err)) from None
     if hf_config is None:
         return RECIPES[args.recipe](**kwargs)
     from recipes.hf.convert import family_module
@@ -364,11 +400,11 @@ def _check_megatron_support(recipe, layout: dict[str, int]) -> None:
 
 
 def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device, vocab_needed: int, placement=None,
-          hf_config: Optional[dict] = None, import_hf: Optional[str] = None):
+          hf_config: Optional[dict] = None, import_hf: Optional[str] = None, import_pretrained: Optional[str] = None):
     """GPTModel (LLEP or plain EP; experts in ``placement``'s order if given) wrapped in Megatron
     DDP, the distributed optimizer and the LR scheduler. ``hf_config``: model sizes from a Hugging
-    Face config.json; ``import_hf``: load that checkpoint's weights right after the model is built
-    (before the placement, DDP and the optimizer)."""
+    Face config.json; ``import_hf`` / ``import_pretrained``: load that Hugging Face / Megatron-LM
+    checkpoint's weights right after the model is built (before the placement, DDP and the optimizer)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -405,6 +441,8 @@ def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device
         model.cuda(device)
     if import_hf:
         _import_hf(import_hf, model, args.recipe)
+    if import_pretrained:
+        _import_pretrained(import_pretrained, model)
     if placement is not None:  # before DDP and the optimizer: they keep per-parameter buffers and state
         from megatron_llep.placement import apply_placement
 
@@ -439,6 +477,8 @@ def run_info_for(args: argparse.Namespace, layout: dict[str, int], world: int, h
                     global_batch_size=layout["global_batch"], micro_batch_size=args.micro_batch_size)
     if hf_config is not None:
         run_info["hf_config"] = hf_config  # the model's sizes, for resuming and exporting (python -m recipes.hf)
+    if getattr(args, "megatron_lm_args", None) is not None:  # the model's arguments, for resuming
+        run_info["megatron_lm_args"] = vars(args.megatron_lm_args)
     return run_info
 
 
@@ -454,6 +494,19 @@ def _import_hf(directory: str, model, recipe_name: str) -> None:
         print(f"[finetune] imported {directory} in {report.seconds:.1f} s: rank 0 read {report.bytes_read / mib:.1f} MiB "
               f"for its {report.param_bytes / mib:.1f} MiB of parameters, peak host memory "
               f"+{report.peak_overhead / mib:.1f} MiB during the import", flush=True)
+
+
+def _import_pretrained(path: str, model) -> None:
+    from recipes import pretrained
+
+    start = time.perf_counter()
+    try:
+        directory = pretrained.load_weights(model, path)
+    except pretrained.PretrainedError as err:
+        raise ConfigError(str(err)) from None
+    if dist.get_rank() == 0:
+        print(f"[finetune] loaded the model weights of {directory} in {time.perf_counter() - start:.1f} s "
+              "(optimizer, schedule and iteration start fresh)", flush=True)
 
 
 def _moe_layers(model) -> list:
@@ -661,6 +714,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         samples = sft_data.read_sft_jsonl(args.data, tokenizer)
         dataset = sft_data.PackedSFTDataset(samples, args.seq_length, seed=args.seed)
         hf_config = hf_config_for(args, resume_from)
+        args.megatron_lm_args = megatron_lm_arguments_for(args, resume_from)
         num_experts = make_recipe(args, hf_config, cpu=device.type == "cpu").config.num_moe_experts
         layout = parallel_layout(args, world, num_experts)
         valid_set, eval_batches = None, 0
@@ -680,10 +734,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model_parallel_cuda_manual_seed(args.seed)
     try:
         placement = _load_placement(args.placement) if args.placement else None
-        _progress(rank, f"building {args.recipe}: about {estimate.parameters / 1e6:,.1f} M parameters and "
+        _progress(rank, f"building {f'the model of {args.pretrained}' if args.pretrained else args.recipe}: about {estimate.parameters / 1e6:,.1f} M parameters and "
                         f"{estimate.total_bytes / 2**30:,.2f} GiB with gradients and optimizer state per rank")
         recipe, model, optimizer, scheduler = build(args, layout, device, tokenizer.vocab_size, placement, hf_config,
-                                                    import_hf=None if resuming else args.hf_checkpoint)
+                                                    import_hf=None if resuming else args.hf_checkpoint,
+                                                    import_pretrained=None if resuming else args.pretrained)
     except ConfigError as err:
         _fail(err, rank)
     config = recipe.config
