@@ -394,3 +394,28 @@ def test_placement_cli_bad_numbers_and_files_are_one_line_usage_errors(tmp_path,
     assert message.format(**files) in err and "Traceback" not in err, err
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
     assert not os.path.exists(tmp_path / "p.json")
+
+
+# --pretrained (a Megatron-LM checkpoint to fine-tune from) -------------------------------------
+
+
+def test_pretrained_usage_errors_name_the_flag(tmp_path, capsys):
+    assert "--pretrained: " in _usage_error(capsys, ["--pretrained", str(tmp_path / "missing")])
+    (tmp_path / "hf").mkdir()
+    assert "--pretrained and --hf-checkpoint both give the starting weights" in _usage_error(
+        capsys, ["--pretrained", str(tmp_path), "--hf-checkpoint", str(tmp_path / "hf")])
+
+
+def test_pretrained_directory_that_is_no_megatron_lm_checkpoint_is_one_line(tmp_path):
+    from recipes import pretrained
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(pretrained.PretrainedError, match=r"holds 'release', not an iteration number$"):
+        pretrained.checkpoint_directory(str(tmp_path))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(pretrained.PretrainedError) as err:
+        pretrained.checkpoint_directory(str(tmp_path))
+    assert "no Megatron-LM torch_dist checkpoint" in str(err.value) and "\n" not in str(err.value)
+    (tmp_path / "iter_0000007").mkdir()
+    (tmp_path / "iter_0000007" / "metadata.json").write_text("{}")
+    assert pretrained.checkpoint_directory(str(tmp_path)) == str(tmp_path / "iter_0000007")
