@@ -323,7 +323,7 @@ def write_statistics(metrics: dict[str, float], iteration: int) -> None:
 def install_llep_logging() -> None:
     """Log LLEP statistics with every Megatron-LM ``training_log`` call at ``--log-interval``: after
     Megatron-LM's own line and writes (``training_log`` runs on every rank, so the statistics
-    gather is collective). Idempotent."""
+    gather is collective); the forwards of Megatron-LM's evaluations are not counted. Idempotent."""
     from megatron.training import get_args, training
     from megatron.training.utils import print_rank_last
 
@@ -345,6 +345,15 @@ def install_llep_logging() -> None:
 
     training_log.llep_logging = True  # type: ignore[attr-defined]
     training.training_log = training_log
+    evaluate = training.evaluate
+
+    @functools.wraps(evaluate)
+    def evaluate_apart(*call_args: Any, **call_kwargs: Any) -> Any:
+        """Megatron-LM's ``evaluate``, its forwards' LLEP statistics kept out of the training interval's."""
+        with STATS.set_aside():
+            return evaluate(*call_args, **call_kwargs)
+
+    training.evaluate = evaluate_apart
 
 
 def note_when_idle(args: argparse.Namespace) -> Optional[str]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -116,6 +117,16 @@ class LLEPStatsTracker:
                 "llep_active": float(np.mean([s.mode == "llep" for s in steps])),
             }
         return summary
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Statistics recorded inside the block are dropped and those recorded before it kept, so
+        that evaluation forwards stay out of a training interval's statistics."""
+        kept, self._steps = self._steps, {}
+        try:
+            yield
+        finally:
+            self._steps = kept
 
     def summary(self) -> dict[str, float]:
         """Mean of every scalar over all recorded steps and layers (without clearing)."""

@@ -29,3 +29,40 @@ def test_tracker_is_bounded_and_drains():
     drained = tracker.drain()
     assert len(drained[1]) == 3 and drained[1][0].mode == "fallback"
     assert tracker.drain() == {}
+
+
+def test_statistics_set_aside_are_dropped_and_earlier_ones_kept():
+    tracker = LLEPStatsTracker()
+    plan = plan_llep(np.full((2, 4), 5, np.int64), LLEPConfig(cost_aware=False))
+    tracker.record(LLEPStepStats.from_plan(plan, 1, 10, 0.0))
+    with tracker.set_aside():  # e.g. an evaluation's forwards
+        tracker.record(LLEPStepStats.from_plan(plan, 1, 10, 0.0))
+        tracker.record(LLEPStepStats.from_plan(plan, 2, 10, 0.0))
+    tracker.record(LLEPStepStats.from_plan(plan, 1, 10, 0.0))
+    drained = tracker.drain()
+    assert sorted(drained) == [1] and len(drained[1]) == 2
+
+
+def test_megatron_lm_evaluation_is_kept_out_of_the_training_statistics():
+    import pytest
+
+    from megatron_llep.compat.megatron_training import missing_reason
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    from megatron.training import training
+
+    from megatron_llep import megatron_lm
+    from megatron_llep.metrics import STATS
+
+    original = training.evaluate
+    try:
+        training.evaluate = lambda *a, **k: STATS.record(LLEPStepStats.from_plan(
+            plan_llep(np.full((2, 4), 5, np.int64), LLEPConfig(cost_aware=False)), 1, 10, 0.0))
+        megatron_lm.install_llep_logging()
+        STATS.drain()
+        training.evaluate()
+        assert STATS.drain() == {}
+    finally:
+        training.evaluate, training.training_log = original, getattr(training.training_log, "__wrapped__",
+                                                                    training.training_log)
