@@ -479,6 +479,15 @@ def load_checkpoint(
 
 
 
+def load_model_weights(directory: str, model) -> None:
+    """Only the model weights of the checkpoint ``directory`` (from :func:`find_checkpoint`) into
+    ``model`` (DDP-wrapped), for evaluation and benchmarks: no optimizer, schedule or RNG, so the
+    optimizer may be set up differently from the run that saved it. Collective."""
+    watchdog.progress(f"loading the model weights of {directory}")
+    loaded = dist_checkpointing.load({"model": model.module.sharded_state_dict(metadata=SHARDING_METADATA)}, directory)
+    model.module.load_state_dict(loaded["model"])
+
+
 def latest_iteration(root: str) -> Optional[int]:
     """The iteration ``root``'s "latest" file names (``None`` if it is absent or not a number)."""
     return _tracked_iteration(root)[0]
