@@ -58,7 +58,7 @@ LLEP_FLAGS = {"alpha": "--llep-alpha", "min_chunk_tokens": "--llep-min-chunk-tok
 POSITIVE = ("train_iters", "micro_batch_size", "global_batch_size", "seq_length", "lr", "log_interval",
             "heatmap_interval", "trace_tokens_per_layer", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "expert_model_parallel_size", "save_interval", "exit_interval", "eval_interval", "eval_iters")
-NON_NEGATIVE = ("min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed")
+NON_NEGATIVE = ("min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "seed", "moe_aux_loss_coeff")
 # validation global batches per evaluation without --eval-iters
 DEFAULT_EVAL_ITERS = 10
 # the sample order --valid-data is packed in: fixed, not --seed's, so that runs with other seeds are
@@ -104,6 +104,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     model = parser.add_argument_group("model")
     model.add_argument("--recipe", default="gpt-oss-tiny", choices=sorted(RECIPES))
     model.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on GPU, fp32 on CPU")
+    model.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                       help="the router's load-balancing loss coefficient while fine-tuning (default: the model's "
+                            "own; 0 turns the loss off, as many post-training runs do)")
     model.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                        help="start from a Hugging Face checkpoint (config.json + *.safetensors, MXFP4/FP8 experts "
                             "dequantized): model sizes from its config.json, weights loaded right after the model is "
@@ -429,6 +432,8 @@ def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device
     config = recipe.config
     _check_megatron_support(recipe, layout)
     config.calculate_per_token_loss = True  # exact per-token mean over micro-batches and DP ranks
+    if args.moe_aux_loss_coeff is not None:
+        set_aux_loss_coeff(config, args.moe_aux_loss_coeff, recipe.name)
     spec = recipe.layer_spec()
     if args.llep:
         spec = with_llep(spec, llep_config(args, on_gpu))
@@ -467,6 +472,15 @@ def build(args: argparse.Namespace, layout: dict[str, int], device: torch.device
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return recipe, model, optimizer, scheduler
+
+
+def set_aux_loss_coeff(config, coeff: float, model_name: str) -> None:
+    """``--moe-aux-loss-coeff``: the coefficient of the router's one load-balancing loss (0: off)."""
+    balancing = config.moe_router_load_balancing_type
+    if not isinstance(balancing, str) or (balancing == "none" and coeff > 0):
+        raise ConfigError(f"--moe-aux-loss-coeff {coeff}: {model_name}'s router has load-balancing loss {balancing!r}; "
+                          "the flag sets the coefficient of a model's one balancing loss")
+    config.moe_aux_loss_coeff = coeff
 
 
 def run_info_for(args: argparse.Namespace, layout: dict[str, int], world: int, hf_config: Optional[dict] = None) -> dict:

@@ -419,3 +419,14 @@ def test_pretrained_directory_that_is_no_megatron_lm_checkpoint_is_one_line(tmp_
     (tmp_path / "iter_0000007").mkdir()
     (tmp_path / "iter_0000007" / "metadata.json").write_text("{}")
     assert pretrained.checkpoint_directory(str(tmp_path)) == str(tmp_path / "iter_0000007")
+
+
+def test_aux_loss_coefficient_applies_to_a_model_with_one_balancing_loss():
+    config = deepseek_v3("tiny", cpu=True, dtype=torch.float32).config  # seq_aux_loss
+    finetune.set_aux_loss_coeff(config, 0.0, "deepseek-v3-tiny")
+    assert config.moe_aux_loss_coeff == 0.0
+    gpt_oss = RECIPES["gpt-oss-tiny"]().config  # no balancing loss: only 0 makes sense
+    finetune.set_aux_loss_coeff(gpt_oss, 0.0, "gpt-oss-tiny")
+    with pytest.raises(finetune.ConfigError, match=r"^--moe-aux-loss-coeff 0.01: gpt-oss-tiny's router has "
+                                                    r"load-balancing loss 'none'"):
+        finetune.set_aux_loss_coeff(gpt_oss, 0.01, "gpt-oss-tiny")
