@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import statistics
 import sys
@@ -65,20 +66,18 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _set_mode(layers: list, mode: str, balanced_ids: Callable[[int], np.ndarray]) -> None:
+def _set_mode(layers: list, mode: str, balanced_ids: Callable[[], np.ndarray]) -> None:
     """LLEP on or off in every MoE layer, and the routers forced to balanced top-K for the ideal."""
     from megatron_llep.scenarios import force_routing
 
     for layer in layers:
         config = dataclasses.replace(layer.llep_config, enabled=mode == "LLEP")
         layer.llep_config = layer.token_dispatcher.llep_config = config
-        force_routing(layer.router, balanced_ids(layer.layer_number) if mode == "ideal" else None)
+        force_routing(layer.router, balanced_ids() if mode == "ideal" else None)
 
 
 def _note_trace(bench: argparse.Namespace, path: str, domain: str, sequences: int, ep: int) -> None:
     """Record where a trace came from in the trace directory's manifest.json (recipes/routing_traces.py)."""
-    import json
-
     manifest_path = os.path.join(bench.trace_dir, "manifest.json")
     manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else {"traces": {}}
     corpus_manifest = os.path.join(bench.corpus, "manifest.json")
@@ -102,7 +101,8 @@ def main() -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_llep.placement import RoutingTraceRecorder
-    from megatron_llep.placement.trace import RoutingTrace, merge_traces
+    from megatron_llep.metrics import STATS
+    from megatron_llep.placement.trace import merge_traces
     from megatron_llep.scenarios import imbalanced_topk
     from recipes import checkpointing, finetune
     from recipes import data as sft_data
@@ -133,7 +133,7 @@ def main() -> None:
     rng = np.random.default_rng(1234 + rank)
     tokens_per_micro = bench.micro_batch_size * bench.seq_length
 
-    def balanced(_layer: int) -> np.ndarray:
+    def balanced() -> np.ndarray:
         return imbalanced_topk(tokens_per_micro, config.num_moe_experts, config.moe_router_topk, 0.0, 0,
                                seed=int(rng.integers(2**31)))
 
@@ -205,8 +205,6 @@ def main() -> None:
                     run_steps(dataset, int(first_t), 1, kind == "eval")  # warm-up
                     step_times[(mode, kind)].append(run_steps(dataset, int(first_t), bench.steps, kind == "eval"))
                 if mode == "LLEP":
-                    from megatron_llep.metrics import STATS
-
                     for stats in STATS.drain().values():
                         stats_before += [stat.max_mean_before for stat in stats]
                         stats_after += [stat.max_mean_after for stat in stats]

@@ -302,15 +302,15 @@ def hf_config_for(args: argparse.Namespace, checkpoint: Optional[str] = None) ->
         except HFCheckpointError as err:
             raise ConfigError(f"--hf-checkpoint: {err}") from None
     if checkpoint:
-        return saved_hf_config(checkpoint)
+        return saved_run_info(checkpoint).get("hf_config")
     return None
 
 
-def saved_hf_config(directory: str) -> Optional[dict]:
-    """``run_info["hf_config"]`` of the checkpoint ``directory`` (None if there is none)."""
+def saved_run_info(directory: str) -> dict:
+    """The ``run_info`` a fine-tuning checkpoint ``directory`` records (empty if none)."""
     from megatron.core import dist_checkpointing
 
-    return dist_checkpointing.load_common_state_dict(directory).get("run_info", {}).get("hf_config")
+    return dist_checkpointing.load_common_state_dict(directory).get("run_info", {})
 
 
 def megatron_lm_arguments_for(args: argparse.Namespace, checkpoint: Optional[str] = None) -> Optional[argparse.Namespace]:
@@ -319,9 +319,7 @@ def megatron_lm_arguments_for(args: argparse.Namespace, checkpoint: Optional[str
     from recipes import pretrained
 
     if checkpoint:
-        from megatron.core import dist_checkpointing
-
-        saved = dist_checkpointing.load_common_state_dict(checkpoint).get("run_info", {}).get("megatron_lm_args")
+        saved = saved_run_info(checkpoint).get("megatron_lm_args")
         return argparse.Namespace(**saved) if saved is not None else None
     if args.pretrained:
         try:

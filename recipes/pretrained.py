@@ -14,7 +14,7 @@ import argparse
 import copy
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -137,9 +137,3 @@ def load_weights(model: torch.nn.Module, path: str) -> str:
         raise PretrainedError(f"--pretrained {directory}: weights missing {missing[:3]} / unexpected {unexpected[:3]}")
     return directory
 
-
-def describe(saved: argparse.Namespace) -> dict[str, Any]:
-    """The model's shape in a few numbers (for the run's log line and run_info)."""
-    return dict(num_layers=saved.num_layers, hidden_size=saved.hidden_size, num_experts=saved.num_experts,
-                moe_router_topk=saved.moe_router_topk, vocab_size=saved.padded_vocab_size,
-                seq_length=saved.seq_length)

@@ -138,7 +138,7 @@ def run_export(args: argparse.Namespace) -> str:
     rank, world, device = finetune.init_distributed()
     try:
         directory = checkpointing.resolve_checkpoint(args.load)
-        run_info = dist_checkpointing.load_common_state_dict(directory).get("run_info", {})
+        run_info = finetune.saved_run_info(directory)
         recipe_name = args.recipe or run_info.get("recipe")
         if recipe_name is None:
             raise ValueError(f"{directory} records no recipe: pass --recipe")
