@@ -65,6 +65,7 @@ def test_cli_selects_by_profiling_and_merges_rank_files(tmp_path, capsys):
     (["plan", "{trace}", "--ep-size", "4", "--layers", "7"], "no MoE layer 7"),
     (["plan", "{trace}", "--ep-size", "4", "--gpus-per-node", "3"], "gpus_per_node=3"),
     (["plan", "{trace}", "--ep-size", "4", "--profile", "nomodule"], "module:function"),
+    (["plan", "{trace}", "--ep-size", "4", "--profile", "auto"], "run it through recipes/cap_pipeline.py"),
 ])
 def test_cli_bad_input_gives_a_clear_error(tmp_path, capsys, args, message):
     trace, _ = synthetic_trace(200, 16, 2, 4, 0.8, seed=1)

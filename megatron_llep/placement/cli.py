@@ -7,7 +7,9 @@
         --clusters 8 --affinity 0.8 [--skew 0.8] [--layers 1 2]
 
 ``--profile module:function`` imports ``function(layer: int, point: SpectrumPoint) -> float``
-(lower is better, e.g. a measured step time) and selects by it instead of lambda.
+(lower is better, e.g. a measured step time) and selects by it instead of lambda. Timing the live
+model (``--profile auto``) needs the model, which this command does not have: the model entry
+point ``recipes/cap_pipeline.py`` offers it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def _load_trace_files(paths: Sequence[str], num_experts: Optional[int]) -> Routi
 
 
 def _load_profile(spec: str) -> Callable[[int, SpectrumPoint], float]:
+    if spec == "auto":
+        raise ValueError("--profile auto times the live model, which this command does not have: run it through "
+                         "recipes/cap_pipeline.py, or give --profile module:function here")
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"--profile must be 'module:function', got {spec!r}")
@@ -113,13 +118,13 @@ def _table(rows: list[dict]) -> str:
 
 
 def _plan(args: argparse.Namespace) -> None:
+    profile = _load_profile(args.profile) if args.profile else None  # a bad --profile fails before the traces load
     trace = _load_trace_files(args.traces, args.num_experts)
     if args.layers:
         trace = RoutingTrace(trace.num_experts, trace.topk, {n: trace.layer(n) for n in args.layers},
                              trace.max_tokens_per_layer, trace.sampling, trace.sources)
     experts_per_rank(trace.num_experts, args.ep_size)
     topology = Topology(args.ep_size, args.gpus_per_node, args.cross_node_cost)
-    profile = _load_profile(args.profile) if args.profile else None
     print(f"{len(args.traces)} trace file(s): {trace.num_experts} experts, top-{trace.topk}, "
           f"{len(trace.layers)} layer(s); EP {topology.ep_size}, {topology.num_nodes} node(s), c = {topology.cross_node_cost:g}")
     done: list[int] = []
@@ -163,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     select = plan.add_mutually_exclusive_group()
     select.add_argument("--lambda", dest="lam", type=_number(0.0, 1.0), default=0.5,
                         help="weight of normalised C against normalised B (1: comm-optimal, 0: most balanced)")
-    select.add_argument("--profile", default=None, help="module:function scoring (layer, SpectrumPoint); lowest wins")
+    select.add_argument("--profile", default=None,
+                        help="module:function scoring (layer, SpectrumPoint); lowest wins ('auto', timing the live model, "
+                             "is offered by the model entry point recipes/cap_pipeline.py)")
     plan.add_argument("--spectrum-steps", type=_integer(0), default=None, help="max swap steps (default 2 x movable units)")
     plan.add_argument("--max-evaluations", type=_integer(1), default=None, help="points scored by --profile (default all)")
     plan.add_argument("--routing-groups", type=_integer(1), default=1, help="moe_router_num_groups of the model (group-limited routing)")
