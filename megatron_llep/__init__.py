@@ -4,7 +4,7 @@ The planner (:mod:`megatron_llep.planner`), cost model and scenarios are pure an
 group; :class:`LLEPMoELayer` and :func:`with_llep` put LLEP into a Megatron model.
 """
 
-from megatron_llep.config import LLEPConfig
+from megatron_llep.config import LLEPConfig, RoutingPruning
 from megatron_llep.cost_model import CostModel, ExpertShape
 from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
 
@@ -17,6 +17,7 @@ __all__ = [
     "LLEPMoELayer",
     "LLEPPlan",
     "RankPlan",
+    "RoutingPruning",
     "plan_llep",
     "with_llep",
 ]

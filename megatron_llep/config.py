@@ -22,6 +22,42 @@ class LLEPConfigError(ValueError):
         return f"{flag} {self.requirement}, got {self.value!r}"
 
 
+PRUNING_METHODS = ("devices", "experts")
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class RoutingPruning:
+    """Inference-only, lossy pruning of each token's routing before dispatch (SPEC section 2, CAP).
+
+    Attributes:
+        p: fraction of a token's routing-score mass that may be dropped, ``0 <= p < 1``.
+        method: ``"devices"`` (CAP): the token's destination devices ranked by ``a_d / c_d``
+            (``a_d``: its scores on experts of device ``d``; ``c_d``: the device's cost) are kept until
+            ``1 - p`` of the mass is covered, the rest dropped with all their experts. ``"experts"``
+            (the naive baseline): its highest-score experts are kept until ``1 - p`` is covered.
+        cross_node_cost: ``c_d`` of a device in another node (the token's own device costs 0,
+            another device of its node 1); nodes are :attr:`LLEPConfig.ranks_per_node` EP ranks.
+    """
+
+    p: float
+    method: str = "devices"
+    cross_node_cost: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not (_finite_number(self.p) and 0.0 <= self.p < 1.0):
+            raise LLEPConfigError("pruning.p", "(the score mass a token may drop) must be within [0, 1)", self.p)
+        if self.method not in PRUNING_METHODS:
+            raise LLEPConfigError("pruning.method", f"must be one of {', '.join(map(repr, PRUNING_METHODS))}",
+                                  self.method)
+        if not (_finite_number(self.cross_node_cost) and self.cross_node_cost >= 1.0):
+            raise LLEPConfigError("pruning.cross_node_cost", "must be a finite number >= 1 (the cost of a device in "
+                                  "the token's own node)", self.cross_node_cost)
+
+
 @dataclass(frozen=True)
 class LLEPConfig:
     """Knobs of Least-Loaded Expert Parallelism (see SPEC section 1).
@@ -39,6 +75,8 @@ class LLEPConfig:
         cost_model: the timing model behind ``cost_aware``; defaults to one H200 node.
         enabled: ``False`` makes the LLEP layer behave exactly like plain EP (for A/B runs).
         record_stats: keep per-layer step statistics for logging.
+        pruning: prune each token's routing before dispatch (:class:`RoutingPruning`; inference
+            only, lossy); ``None`` (default) leaves the routing alone.
     """
 
     alpha: float = 1.0
@@ -49,11 +87,10 @@ class LLEPConfig:
     cost_model: CostModel = field(default_factory=CostModel)
     enabled: bool = True
     record_stats: bool = True
+    pruning: Optional[RoutingPruning] = None
 
     def __post_init__(self) -> None:
-        def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
+        number = _finite_number
         if not (number(self.alpha) and self.alpha > 0):
             raise LLEPConfigError("alpha", "must be a finite number > 0 (capacity factor)", self.alpha)
         m = self.min_chunk_tokens
@@ -68,6 +105,8 @@ class LLEPConfig:
             raise LLEPConfigError("ranks_per_node", "must be a positive integer (or None: one node)", self.ranks_per_node)
         if not isinstance(self.cost_model, CostModel):
             raise TypeError(f"LLEPConfig.cost_model must be a CostModel, got {type(self.cost_model).__name__}")
+        if self.pruning is not None and not isinstance(self.pruning, RoutingPruning):
+            raise TypeError(f"LLEPConfig.pruning must be a RoutingPruning or None, got {type(self.pruning).__name__}")
 
     def validate_layout(self, num_experts: int, ep_size: int) -> int:
         """Check the expert layout this config is used with; returns experts per rank ``M``."""

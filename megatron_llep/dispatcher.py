@@ -278,7 +278,13 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def preprocess(self, routing_map: torch.Tensor) -> Optional[torch.Tensor]:
         """Megatron's metadata: its own on steps LLEP leaves alone, else set by the plan."""
         if self.ep_size == 1 or not self.llep_config.enabled:
-            return super().preprocess(routing_map)
+            tokens_per_expert = super().preprocess(routing_map)
+            if self.llep_config.pruning is not None:
+                # pruned tokens have fewer than top-K experts, so the permute's row count is not
+                # Megatron's dropless tokens * K: count it, as Megatron does when it drops tokens
+                self.num_out_tokens = routing_map.sum()
+                self._maybe_update_cuda_sync_point("before_permutation_1")
+            return tokens_per_expert
         return self._tokens_per_expert
 
     def _plan_from_counts(self, routing_map: torch.Tensor) -> None:

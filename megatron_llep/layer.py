@@ -2,7 +2,8 @@
 
 ``LLEPMoELayer`` is Megatron's ``MoELayer`` with the :class:`LLEPTokenDispatcher` and the borrowed
 expert compute; its parameters and state dict are unchanged, so checkpoints move freely between
-plain EP and LLEP.
+plain EP and LLEP. With ``LLEPConfig.pruning`` (inference only) it also prunes each token's routing
+before dispatch (CAP's device-level pruning or the naive expert-level baseline).
 
 Enable it in a layer spec::
 
@@ -25,6 +26,8 @@ from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.dispatcher import LLEPTokenDispatcher
 from megatron_llep.experts import make_expert_adapter
+from megatron_llep.metrics import STATS, PruningStepStats
+from megatron_llep.placement.pruning import device_costs, prune_routing_map
 
 
 class LLEPMoELayer(MoELayer):
@@ -64,6 +67,11 @@ class LLEPMoELayer(MoELayer):
         self.token_dispatcher.forward_is_recomputed = bool(
             self.moe_layer_recompute or getattr(config, "recompute_granularity", None) == "full"
         )
+        self.last_pruning_stats: Optional[PruningStepStats] = None
+        self._device_costs: dict[tuple, torch.Tensor] = {}  # c_d seen from this EP rank
+        # pruning rewrites the router's output, first among its hooks: whatever observes the router
+        # (routing-trace recorder, load meters) sees the routing that is actually dispatched
+        self.router.register_forward_hook(self._prune_routing, prepend=True)
 
     def train(self, mode: bool = True) -> "LLEPMoELayer":
         super().train(mode)
@@ -73,6 +81,34 @@ class LLEPMoELayer(MoELayer):
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)
         self.token_dispatcher.layer_number = mcore.moe_layer_number(self)  # MTP layers after the decoder's
+
+    def _prune_routing(self, router: torch.nn.Module, inputs: tuple, output: tuple) -> Optional[tuple]:
+        """Forward hook on the router: ``LLEPConfig.pruning`` applied to its ``(probs, routing_map)``
+        (device of expert ``e``: EP rank ``e // M``; costs seen from this EP rank), statistics
+        recorded; ``None`` (output unchanged) without pruning."""
+        pruning = self.llep_config.pruning
+        if pruning is None:
+            return None
+        if self.training:
+            raise ValueError("LLEPConfig.pruning is lossy and inference-only: call model.eval() or set "
+                             "LLEPConfig.pruning=None")
+        probs, routing_map = output
+        dispatcher = self.token_dispatcher
+        key = (probs.device, self.llep_config.ranks_per_node, pruning.cross_node_cost)  # configs may be swapped
+        cost = self._device_costs.get(key)
+        if cost is None:
+            cost = self._device_costs[key] = device_costs(
+                dispatcher.ep_rank, dispatcher.ep_size, key[1], key[2]).to(probs.device)
+        pruned_map, pruned_probs = prune_routing_map(routing_map, probs, self.num_local_experts, cost, pruning.p,
+                                                     pruning.method)
+        if self.llep_config.record_stats:
+            hidden = inputs[0]
+            bytes_per_pair = 2 * hidden.shape[-1] * hidden.element_size() + pruned_probs.element_size()
+            self.last_pruning_stats = PruningStepStats.from_routing(
+                dispatcher.layer_number, routing_map, pruned_map, dispatcher.ep_rank, self.num_local_experts,
+                bytes_per_pair)
+            STATS.record_pruning(self.last_pruning_stats)
+        return pruned_probs, pruned_map
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """MoELayer's own compute on plain-EP steps; on spilling steps the native experts plus this

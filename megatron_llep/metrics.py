@@ -1,4 +1,5 @@
-"""Per-layer LLEP step statistics, kept for loggers (wandb, stdout) to read and reset."""
+"""Per-layer LLEP step statistics (and routing-pruning statistics), kept for loggers (wandb,
+stdout) to read and reset."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
+import torch
 
 from megatron_llep.planner import LLEPPlan
 
@@ -80,8 +82,101 @@ class LLEPStepStats:
         return row
 
 
+PRUNING_COUNTS = ("device_visits_unpruned", "device_visits", "own_device_visits_unpruned", "own_device_visits",
+                  "pairs_unpruned", "pairs", "own_pairs_unpruned", "own_pairs")
+"""The raw counts :class:`PruningStepStats` keeps, in order: (token, device) visits, those of the
+token's own device, and (token, expert) pairs, those on its own device; before and after pruning."""
+
+
+@dataclass(frozen=True)
+class PruningStepStats:
+    """What routing pruning (``LLEPConfig.pruning``) did in one MoE layer's forward on one rank.
+
+    Recording keeps the raw counts (:data:`PRUNING_COUNTS`) as one small integer tensor where the
+    routing lives, so the forward adds no host sync; totals and ratios are derived when a logger
+    reads them (:func:`pruning_totals`, :func:`pruning_metrics`).
+
+    All-to-all bytes model Megatron's alltoall dispatcher, which sends one row per (token, expert)
+    pair whose expert lives on another EP rank, with no per-device deduplication: a token with
+    two experts on one remote rank travels twice. Each such pair costs
+    ``alltoall_bytes_per_pair = 2 * hidden * element size + prob element size`` (the token and its
+    routing score in the dispatch, the expert output in the combine). On steps where LLEP spills,
+    its plan moves some pairs to other ranks than their experts' (see its own statistics); the
+    figures here are those of the experts' native ranks.
+    """
+
+    layer_number: Optional[int]
+    tokens: int
+    counts: torch.Tensor
+    alltoall_bytes_per_pair: int
+
+    @classmethod
+    def from_routing(
+        cls,
+        layer_number: Optional[int],
+        routing_map: torch.Tensor,
+        pruned_map: torch.Tensor,
+        own_device: int,
+        experts_per_device: int,
+        alltoall_bytes_per_pair: int,
+    ) -> "PruningStepStats":
+        """Counts of the ``[T, N]`` routing maps before and after pruning on EP rank ``own_device``
+        (devices: blocks of ``experts_per_device`` consecutive experts)."""
+        num_tokens, num_experts = routing_map.shape
+        own = slice(own_device * experts_per_device, (own_device + 1) * experts_per_device)
+        blocks = (num_tokens, num_experts // experts_per_device, experts_per_device)
+        before, after = routing_map, pruned_map
+        visited_before, visited_after = before.reshape(blocks).any(dim=2), after.reshape(blocks).any(dim=2)
+        counts = torch.stack([visited_before.sum(), visited_after.sum(), visited_before[:, own_device].sum(),
+                              visited_after[:, own_device].sum(), before.sum(), after.sum(), before[:, own].sum(),
+                              after[:, own].sum()])
+        return cls(layer_number, num_tokens, counts, alltoall_bytes_per_pair)
+
+    def totals(self) -> dict[str, float]:
+        """This step's additive totals (see :func:`pruning_totals`)."""
+        return pruning_totals([self])
+
+
+def pruning_totals(steps: list[PruningStepStats]) -> dict[str, float]:
+    """Additive totals over steps (and layers, and, summed again, ranks): ``tokens`` (one per token
+    and layer), ``device_visits``, ``remote_device_visits``, ``pairs`` and ``alltoall_bytes``, each
+    also ``*_unpruned``. One host copy for all steps."""
+    if not steps:
+        return {}
+    raw = torch.stack([s.counts.to(steps[0].counts.device) for s in steps]).cpu().numpy().astype(np.float64)
+    c = dict(zip(PRUNING_COUNTS, raw.T))
+    bytes_per_pair = np.array([s.alltoall_bytes_per_pair for s in steps], np.float64)
+    totals = {"tokens": float(sum(s.tokens for s in steps))}
+    for suffix in ("", "_unpruned"):
+        totals["device_visits" + suffix] = float(c["device_visits" + suffix].sum())
+        totals["remote_device_visits" + suffix] = float((c["device_visits" + suffix] - c["own_device_visits" + suffix]).sum())
+        totals["pairs" + suffix] = float(c["pairs" + suffix].sum())
+        totals["alltoall_bytes" + suffix] = float(((c["pairs" + suffix] - c["own_pairs" + suffix]) * bytes_per_pair).sum())
+    return totals
+
+
+def pruning_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """Logged figures from (possibly rank-summed) :func:`pruning_totals`, keyed ``prune/...``:
+    devices and remote devices per token and layer (before pruning: ``*_unpruned``), dropped
+    (token, expert) pairs and their fraction, all-to-all bytes of dispatch + combine with and
+    without pruning. ``{}`` without totals (pruning off)."""
+    if not totals:
+        return {}
+    tokens, pairs = totals["tokens"], totals["pairs_unpruned"]
+    metrics = {"prune/tokens": tokens}
+    for suffix in ("", "_unpruned"):
+        metrics["prune/devices_per_token" + suffix] = totals["device_visits" + suffix] / tokens if tokens else 0.0
+        metrics["prune/remote_devices_per_token" + suffix] = (
+            totals["remote_device_visits" + suffix] / tokens if tokens else 0.0)
+        metrics["prune/alltoall_bytes" + suffix] = totals["alltoall_bytes" + suffix]
+    metrics["prune/dropped_pairs"] = pairs - totals["pairs"]
+    metrics["prune/dropped_pair_fraction"] = (pairs - totals["pairs"]) / pairs if pairs else 0.0
+    return metrics
+
+
 class LLEPStatsTracker:
-    """Collects :class:`LLEPStepStats` by layer; ``drain()`` returns and clears them.
+    """Collects :class:`LLEPStepStats` (and :class:`PruningStepStats`) by layer; ``drain()``
+    (``drain_pruning()``) returns and clears them.
 
     Bounded: only the newest ``max_steps`` entries per layer are kept, so a run without a logger
     that drains it does not grow without limit.
@@ -90,12 +185,28 @@ class LLEPStatsTracker:
     def __init__(self, max_steps: int = 256) -> None:
         self.max_steps = max_steps
         self._steps: dict[Optional[int], deque[LLEPStepStats]] = {}
+        self._pruning: dict[Optional[int], deque[PruningStepStats]] = {}
+
+    def _append(self, store: dict, stats: object, layer: Optional[int]) -> None:
+        steps = store.get(layer)
+        if steps is None:
+            steps = store[layer] = deque(maxlen=self.max_steps)
+        steps.append(stats)
 
     def record(self, stats: LLEPStepStats) -> None:
-        steps = self._steps.get(stats.layer_number)
-        if steps is None:
-            steps = self._steps[stats.layer_number] = deque(maxlen=self.max_steps)
-        steps.append(stats)
+        self._append(self._steps, stats, stats.layer_number)
+
+    def record_pruning(self, stats: PruningStepStats) -> None:
+        self._append(self._pruning, stats, stats.layer_number)
+
+    def drain_pruning(self) -> dict[Optional[int], list[PruningStepStats]]:
+        steps, self._pruning = self._pruning, {}
+        return {layer: list(entries) for layer, entries in steps.items()}
+
+    def drain_pruning_totals(self) -> dict[str, float]:
+        """Drain the pruning statistics, summed over layers and steps (:func:`pruning_totals`;
+        ``{}`` when pruning is off); ranks' totals add up, then :func:`pruning_metrics`."""
+        return pruning_totals([s for entries in self.drain_pruning().values() for s in entries])
 
     def drain(self) -> dict[Optional[int], list[LLEPStepStats]]:
         steps, self._steps = self._steps, {}
@@ -122,11 +233,11 @@ class LLEPStatsTracker:
     def set_aside(self) -> Iterator[None]:
         """Statistics recorded inside the block are dropped and those recorded before it kept, so
         that evaluation forwards stay out of a training interval's statistics."""
-        kept, self._steps = self._steps, {}
+        kept, self._steps, self._pruning = (self._steps, self._pruning), {}, {}
         try:
             yield
         finally:
-            self._steps = kept
+            self._steps, self._pruning = kept
 
     def summary(self) -> dict[str, float]:
         """Mean of every scalar over all recorded steps and layers (without clearing)."""

@@ -17,6 +17,10 @@ Metric names (wandb keys):
   (LLEP layers; averaged over micro-batches and EP groups) and ``moe/layer_<n>/max_mean_load``
   (routing load of every MoE layer, LLEP or not)
 * ``moe/expert_load_heatmap``: image, MoE layers x experts, load / mean load, every N steps.
+* ``prune/{devices_per_token,remote_devices_per_token}`` and their ``*_unpruned``, ``prune/dropped_pairs``,
+  ``prune/dropped_pair_fraction``, ``prune/alltoall_bytes`` and ``prune/alltoall_bytes_unpruned``, ``prune/tokens``:
+  only with ``LLEPConfig.pruning`` (inference); counts summed over layers, micro-batches and ranks, per-token
+  figures per token and MoE layer (:func:`megatron_llep.metrics.pruning_metrics`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_llep.compat import mcore
-from megatron_llep.metrics import STATS
+from megatron_llep.metrics import STATS, pruning_metrics
 
 
 def peak_memory_bytes() -> int:
@@ -114,37 +118,38 @@ class MoELoadMeter:
 
 @contextlib.contextmanager
 def moe_metrics_apart(load_meter: MoELoadMeter) -> Iterator[None]:
-    """Keep the routing loads and LLEP statistics of the forwards in the block (an evaluation, which
+    """Keep the routing loads, LLEP and pruning statistics of the forwards in the block (an evaluation, which
     gathers its own) out of those counted before it (training steps not yet logged): this rank's
     are set aside and put back afterwards, so neither is reported as the other."""
-    loads, llep = load_meter.drain(), STATS.drain()
+    loads = load_meter.drain()
     try:
-        yield
+        with STATS.set_aside():
+            yield
     finally:
         load_meter.drain()  # what the block did not gather
-        STATS.drain()
         load_meter.restore(loads)
-        for entries in llep.values():
-            for stats in entries:
-                STATS.record(stats)
 
 
 def gather_moe_metrics(load_meter: MoELoadMeter) -> tuple[dict[str, float], Optional[np.ndarray], list[int]]:
-    """Collective: merge every rank's routing loads (summed) and LLEP statistics (averaged over
-    the ranks reporting a layer). Returns the scalar metrics, the [layers, experts] load matrix
-    normalised by each layer's mean (or ``None`` without MoE layers) and its layer numbers."""
-    local = {"loads": load_meter.drain(), "llep": STATS.drain_by_layer()}
+    """Collective: merge every rank's routing loads (summed), LLEP statistics (averaged over the
+    ranks reporting a layer) and routing-pruning totals (summed, then derived). Returns the scalar
+    metrics, the [layers, experts] load matrix normalised by each layer's mean (or ``None`` without
+    MoE layers) and its layer numbers."""
+    local = {"loads": load_meter.drain(), "llep": STATS.drain_by_layer(), "prune": STATS.drain_pruning_totals()}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     loads: dict[int, np.ndarray] = {}
     llep: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    prune: dict[str, float] = defaultdict(float)
     for entry in gathered:
         for layer, counts in entry["loads"].items():
             loads[layer] = loads.get(layer, 0) + counts
         for layer, row in entry["llep"].items():
             for key, value in row.items():
                 llep[layer][key].append(value)
-    metrics: dict[str, float] = {}
+        for key, value in entry["prune"].items():
+            prune[key] += value
+    metrics: dict[str, float] = pruning_metrics(prune)
     for layer in sorted(llep):
         for key, values in llep[layer].items():
             metrics[f"moe/layer_{layer}/{key}"] = float(np.mean(values))
@@ -156,6 +161,23 @@ def gather_moe_metrics(load_meter: MoELoadMeter) -> tuple[dict[str, float], Opti
     for layer, row in zip(layers, matrix):
         metrics[f"moe/layer_{layer}/max_mean_load"] = float(row.reshape(ep, -1).sum(axis=1).max() / (row.sum() / ep))
     return metrics, matrix, layers
+
+
+def llep_summary(metrics: dict[str, float]) -> str:
+    """The LLEP statistics of :func:`gather_moe_metrics`' metrics in one phrase for a log line (over
+    every MoE layer: how many spilled, the worst max/mean rank load before and after, the tokens and
+    weight bytes moved, the planning time), or "plain EP" without LLEP layers."""
+    active = [k for k in metrics if k.endswith("/llep_active")]
+    if not active:
+        return "plain EP"
+    spilled = sum(metrics[k.replace("llep_active", "spilled_tokens")] for k in active)
+    before = max(metrics[k.replace("llep_active", "max_mean_before")] for k in active)
+    after = max(metrics[k.replace("llep_active", "max_mean_after")] for k in active)
+    weight_kib = sum(metrics[k.replace("llep_active", "weight_bytes")] for k in active) / 1024
+    plan_ms = sum(metrics[k.replace("llep_active", "plan_time_ms")] for k in active)
+    spilling = sum(metrics[k] > 0 for k in active)
+    return (f"LLEP {spilling}/{len(active)} layers spilled, max/mean {before:.2f} -> {after:.2f}, "
+            f"{spilled:.0f} tokens spilled, {weight_kib:.0f} KiB weights, plan {plan_ms:.2f} ms")
 
 
 def heatmap_rgb(matrix: np.ndarray, cell: int = 12) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 Pure numpy, usable without a process group: routing traces (:mod:`.trace`), the cost metrics
 (:mod:`.metrics`), the two-stage greedy placement with its C/B spectrum (:mod:`.cap`), the
-placement file (:mod:`.placement`), device-level pruning (:mod:`.pruning`, torch) and the EPLB
+placement file (:mod:`.placement`), device-level pruning and its expert-level baseline
+(:mod:`.pruning`, torch; in a model: ``LLEPConfig.pruning``) and the EPLB
 replication baseline (:mod:`.replication`). Megatron-facing: :class:`RoutingTraceRecorder`
 (:mod:`.recorder`) and :func:`apply_placement` / :func:`restore_original_order` (:mod:`.apply`).
 Command line: ``python -m megatron_llep.placement --help``.
@@ -16,7 +17,7 @@ from megatron_llep.placement.placement import (
     same_expert_order,
     write_checkpoint_placement,
 )
-from megatron_llep.placement.pruning import PrunedRouting, prune_devices
+from megatron_llep.placement.pruning import PrunedRouting, device_costs, prune_devices, prune_experts, prune_routing_map
 from megatron_llep.placement.trace import RoutingTrace, load_traces, merge_traces, synthetic_trace
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "apply_placement",
     "coactivation",
     "comm_cost",
+    "device_costs",
     "devices_per_token",
     "load_imbalance",
     "load_traces",
@@ -37,6 +39,8 @@ __all__ = [
     "plan_cap",
     "plan_trace",
     "prune_devices",
+    "prune_experts",
+    "prune_routing_map",
     "read_checkpoint_placement",
     "restore_original_order",
     "same_expert_order",
@@ -58,3 +62,4 @@ def __getattr__(name):
 
         return RoutingTraceRecorder
     raise AttributeError(name)
+from megatron_llep.placement.profile import ProfileReport, ProfileRow, placement_at, profile_positions, profile_spectrum  # noqa: E402
