@@ -83,9 +83,11 @@ class LLEPStepStats:
 
 
 PRUNING_COUNTS = ("device_visits_unpruned", "device_visits", "own_device_visits_unpruned", "own_device_visits",
-                  "pairs_unpruned", "pairs", "own_pairs_unpruned", "own_pairs")
+                  "pairs_unpruned", "pairs", "own_pairs_unpruned", "own_pairs", "alltoall_bytes_unpruned",
+                  "alltoall_bytes")
 """The raw counts :class:`PruningStepStats` keeps, in order: (token, device) visits, those of the
-token's own device, and (token, expert) pairs, those on its own device; before and after pruning."""
+token's own device, (token, expert) pairs, those on its own device, and the all-to-all bytes of the
+remote pairs; before and after pruning. All additive, so steps merge exactly."""
 
 
 @dataclass(frozen=True)
@@ -127,10 +129,18 @@ class PruningStepStats:
         blocks = (num_tokens, num_experts // experts_per_device, experts_per_device)
         before, after = routing_map, pruned_map
         visited_before, visited_after = before.reshape(blocks).any(dim=2), after.reshape(blocks).any(dim=2)
-        counts = torch.stack([visited_before.sum(), visited_after.sum(), visited_before[:, own_device].sum(),
-                              visited_after[:, own_device].sum(), before.sum(), after.sum(), before[:, own].sum(),
-                              after[:, own].sum()])
+        pairs = torch.stack([before.sum(), after.sum(), before[:, own].sum(), after[:, own].sum()])
+        remote_bytes = (pairs[:2] - pairs[2:]) * alltoall_bytes_per_pair
+        counts = torch.cat([torch.stack([visited_before.sum(), visited_after.sum(), visited_before[:, own_device].sum(),
+                                         visited_after[:, own_device].sum()]), pairs, remote_bytes])
         return cls(layer_number, num_tokens, counts, alltoall_bytes_per_pair)
+
+    @classmethod
+    def merged(cls, steps: list["PruningStepStats"]) -> "PruningStepStats":
+        """One entry holding the sums of ``steps`` (of one layer): what a bounded tracker keeps of
+        its oldest steps, so that totals over a long evaluation stay exact."""
+        counts = torch.stack([s.counts.to(steps[0].counts.device) for s in steps]).sum(dim=0)
+        return cls(steps[0].layer_number, sum(s.tokens for s in steps), counts, steps[0].alltoall_bytes_per_pair)
 
     def totals(self) -> dict[str, float]:
         """This step's additive totals (see :func:`pruning_totals`)."""
@@ -145,13 +155,12 @@ def pruning_totals(steps: list[PruningStepStats]) -> dict[str, float]:
         return {}
     raw = torch.stack([s.counts.to(steps[0].counts.device) for s in steps]).cpu().numpy().astype(np.float64)
     c = dict(zip(PRUNING_COUNTS, raw.T))
-    bytes_per_pair = np.array([s.alltoall_bytes_per_pair for s in steps], np.float64)
     totals = {"tokens": float(sum(s.tokens for s in steps))}
     for suffix in ("", "_unpruned"):
         totals["device_visits" + suffix] = float(c["device_visits" + suffix].sum())
         totals["remote_device_visits" + suffix] = float((c["device_visits" + suffix] - c["own_device_visits" + suffix]).sum())
         totals["pairs" + suffix] = float(c["pairs" + suffix].sum())
-        totals["alltoall_bytes" + suffix] = float(((c["pairs" + suffix] - c["own_pairs" + suffix]) * bytes_per_pair).sum())
+        totals["alltoall_bytes" + suffix] = float(c["alltoall_bytes" + suffix].sum())
     return totals
 
 
@@ -178,8 +187,9 @@ class LLEPStatsTracker:
     """Collects :class:`LLEPStepStats` (and :class:`PruningStepStats`) by layer; ``drain()``
     (``drain_pruning()``) returns and clears them.
 
-    Bounded: only the newest ``max_steps`` entries per layer are kept, so a run without a logger
-    that drains it does not grow without limit.
+    Bounded, so that a run without a logger that drains it does not grow without limit: only the
+    newest ``max_steps`` LLEP entries per layer are kept; pruning entries, whose totals a whole
+    evaluation reports, are merged (:meth:`PruningStepStats.merged`) instead of dropped.
     """
 
     def __init__(self, max_steps: int = 256) -> None:
@@ -197,6 +207,11 @@ class LLEPStatsTracker:
         self._append(self._steps, stats, stats.layer_number)
 
     def record_pruning(self, stats: PruningStepStats) -> None:
+        steps = self._pruning.get(stats.layer_number)
+        if steps is not None and len(steps) == self.max_steps:
+            merged = PruningStepStats.merged(list(steps))
+            steps.clear()
+            steps.append(merged)
         self._append(self._pruning, stats, stats.layer_number)
 
     def drain_pruning(self) -> dict[Optional[int], list[PruningStepStats]]:

@@ -376,3 +376,6 @@ def test_pruning_statistics_derive_sums_over_steps_and_layers():
     assert metrics["prune/devices_per_token"] == 1.0 and metrics["prune/devices_per_token_unpruned"] == 2.0
     assert metrics["prune/dropped_pair_fraction"] == 0.4 and metrics["prune/alltoall_bytes"] == 20.0
     assert tracker.drain_pruning_totals() == {} and pruning_metrics({}) == {}
+    for _ in range(9):  # past max_steps: the oldest entries are merged, never dropped
+        tracker.record_pruning(step)
+    assert tracker.drain_pruning_totals() == {k: 9 * v for k, v in step.totals().items()}
