@@ -106,7 +106,7 @@ class LLEPMoELayer(MoELayer):
             bytes_per_pair = 2 * hidden.shape[-1] * hidden.element_size() + pruned_probs.element_size()
             self.last_pruning_stats = PruningStepStats.from_routing(
                 dispatcher.layer_number, routing_map, pruned_map, dispatcher.ep_rank, self.num_local_experts,
-                bytes_per_pair)
+                bytes_per_pair, self.llep_config.ranks_per_node)
             STATS.record_pruning(self.last_pruning_stats)
         return pruned_probs, pruned_map
 

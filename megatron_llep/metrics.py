@@ -83,10 +83,10 @@ class LLEPStepStats:
 
 
 PRUNING_COUNTS = ("device_visits_unpruned", "device_visits", "own_device_visits_unpruned", "own_device_visits",
-                  "pairs_unpruned", "pairs", "own_pairs_unpruned", "own_pairs", "alltoall_bytes_unpruned",
-                  "alltoall_bytes")
+                  "cross_node_device_visits_unpruned", "cross_node_device_visits", "pairs_unpruned", "pairs",
+                  "own_pairs_unpruned", "own_pairs", "alltoall_bytes_unpruned", "alltoall_bytes")
 """The raw counts :class:`PruningStepStats` keeps, in order: (token, device) visits, those of the
-token's own device, (token, expert) pairs, those on its own device, and the all-to-all bytes of the
+token's own device, those of devices in other nodes, (token, expert) pairs, those on its own device, and the all-to-all bytes of the
 remote pairs; before and after pruning. All additive, so steps merge exactly."""
 
 
@@ -121,18 +121,24 @@ class PruningStepStats:
         own_device: int,
         experts_per_device: int,
         alltoall_bytes_per_pair: int,
+        devices_per_node: Optional[int] = None,
     ) -> "PruningStepStats":
         """Counts of the ``[T, N]`` routing maps before and after pruning on EP rank ``own_device``
-        (devices: blocks of ``experts_per_device`` consecutive experts)."""
+        (devices: blocks of ``experts_per_device`` consecutive experts; nodes: blocks of
+        ``devices_per_node`` devices, None: one node)."""
         num_tokens, num_experts = routing_map.shape
         own = slice(own_device * experts_per_device, (own_device + 1) * experts_per_device)
         blocks = (num_tokens, num_experts // experts_per_device, experts_per_device)
         before, after = routing_map, pruned_map
         visited_before, visited_after = before.reshape(blocks).any(dim=2), after.reshape(blocks).any(dim=2)
+        node_size = devices_per_node or blocks[1]
+        node = slice(own_device // node_size * node_size, (own_device // node_size + 1) * node_size)
         pairs = torch.stack([before.sum(), after.sum(), before[:, own].sum(), after[:, own].sum()])
         remote_bytes = (pairs[:2] - pairs[2:]) * alltoall_bytes_per_pair
-        counts = torch.cat([torch.stack([visited_before.sum(), visited_after.sum(), visited_before[:, own_device].sum(),
-                                         visited_after[:, own_device].sum()]), pairs, remote_bytes])
+        counts = torch.cat([torch.stack([
+            visited_before.sum(), visited_after.sum(), visited_before[:, own_device].sum(),
+            visited_after[:, own_device].sum(), visited_before.sum() - visited_before[:, node].sum(),
+            visited_after.sum() - visited_after[:, node].sum()]), pairs, remote_bytes])
         return cls(layer_number, num_tokens, counts, alltoall_bytes_per_pair)
 
     @classmethod
@@ -159,6 +165,7 @@ def pruning_totals(steps: list[PruningStepStats]) -> dict[str, float]:
     for suffix in ("", "_unpruned"):
         totals["device_visits" + suffix] = float(c["device_visits" + suffix].sum())
         totals["remote_device_visits" + suffix] = float((c["device_visits" + suffix] - c["own_device_visits" + suffix]).sum())
+        totals["cross_node_device_visits" + suffix] = float(c["cross_node_device_visits" + suffix].sum())
         totals["pairs" + suffix] = float(c["pairs" + suffix].sum())
         totals["alltoall_bytes" + suffix] = float(c["alltoall_bytes" + suffix].sum())
     return totals
@@ -177,6 +184,8 @@ def pruning_metrics(totals: dict[str, float]) -> dict[str, float]:
         metrics["prune/devices_per_token" + suffix] = totals["device_visits" + suffix] / tokens if tokens else 0.0
         metrics["prune/remote_devices_per_token" + suffix] = (
             totals["remote_device_visits" + suffix] / tokens if tokens else 0.0)
+        metrics["prune/cross_node_devices_per_token" + suffix] = (
+            totals["cross_node_device_visits" + suffix] / tokens if tokens else 0.0)
         metrics["prune/alltoall_bytes" + suffix] = totals["alltoall_bytes" + suffix]
     metrics["prune/dropped_pairs"] = pairs - totals["pairs"]
     metrics["prune/dropped_pair_fraction"] = (pairs - totals["pairs"]) / pairs if pairs else 0.0

@@ -77,10 +77,11 @@ def brute_prune(
     return {e: score[e] * total / kept_total for e in kept}
 
 
-def brute_counts(ids: np.ndarray, kept: list[dict], own: int, bytes_per_pair: int) -> dict[str, float]:
+def brute_counts(ids: np.ndarray, kept: list[dict], own: int, bytes_per_pair: int, node_size: int) -> dict[str, float]:
     """The statistics' totals for one rank and step, counted token by token."""
     out = dict.fromkeys(["device_visits", "device_visits_unpruned", "remote_device_visits",
-                         "remote_device_visits_unpruned", "pairs", "pairs_unpruned", "alltoall_bytes",
+                         "remote_device_visits_unpruned", "cross_node_device_visits",
+                         "cross_node_device_visits_unpruned", "pairs", "pairs_unpruned", "alltoall_bytes",
                          "alltoall_bytes_unpruned"], 0.0)
     out["tokens"] = float(len(ids))
     for row, token_kept in zip(ids.tolist(), kept):
@@ -88,6 +89,7 @@ def brute_counts(ids: np.ndarray, kept: list[dict], own: int, bytes_per_pair: in
             devices = {e // M for e in experts}
             out["device_visits" + suffix] += len(devices)
             out["remote_device_visits" + suffix] += len(devices - {own})
+            out["cross_node_device_visits" + suffix] += sum(d // node_size != own // node_size for d in devices)
             out["pairs" + suffix] += len(experts)
             out["alltoall_bytes" + suffix] += bytes_per_pair * sum(e // M != own for e in experts)
     return out
@@ -201,7 +203,7 @@ def _run_case(rank: int, case: Case) -> dict:
         "mode": stats.mode if case.llep else "disabled",
         "dropped": sum(len(row) - len(k) for row, k in zip(ids.tolist(), kept)),
         "stats": layer.last_pruning_stats.totals(),
-        "brute_stats": brute_counts(ids, kept, rank, 2 * HIDDEN * 4 + 4),
+        "brute_stats": brute_counts(ids, kept, rank, 2 * HIDDEN * 4 + 4, node_size),
         "observed_pairs": [int(m.sum()) for m in observed],
         "recorded_layers": sorted(STATS.drain_pruning()) if case.name != DASHBOARD_CASE else None,
     }
@@ -282,6 +284,8 @@ def test_dashboard_gathers_pruning_metrics_over_ranks(per_rank):
     assert metrics["prune/devices_per_token"] == pytest.approx(totals["device_visits"] / tokens)
     assert metrics["prune/devices_per_token_unpruned"] == pytest.approx(totals["device_visits_unpruned"] / tokens)
     assert metrics["prune/remote_devices_per_token"] == pytest.approx(totals["remote_device_visits"] / tokens)
+    assert metrics["prune/cross_node_devices_per_token"] == pytest.approx(totals["cross_node_device_visits"] / tokens)
+    assert metrics["prune/cross_node_devices_per_token_unpruned"] > 0  # ranks_per_node=1: the other rank is another node
     assert metrics["prune/dropped_pair_fraction"] == pytest.approx(1 - totals["pairs"] / totals["pairs_unpruned"])
     assert metrics["prune/alltoall_bytes"] == totals["alltoall_bytes"]
     assert metrics["prune/alltoall_bytes_unpruned"] == totals["alltoall_bytes_unpruned"]
@@ -362,7 +366,8 @@ def test_pruning_statistics_derive_sums_over_steps_and_layers():
     after = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 0]], dtype=torch.bool)
     step = PruningStepStats.from_routing(3, before, after, own_device=0, experts_per_device=2, alltoall_bytes_per_pair=10)
     assert step.totals() == {"tokens": 2.0, "device_visits": 2.0, "device_visits_unpruned": 4.0,
-                             "remote_device_visits": 1.0, "remote_device_visits_unpruned": 2.0, "pairs": 3.0,
+                             "remote_device_visits": 1.0, "remote_device_visits_unpruned": 2.0,
+                             "cross_node_device_visits": 0.0, "cross_node_device_visits_unpruned": 0.0, "pairs": 3.0,
                              "pairs_unpruned": 5.0, "alltoall_bytes": 10.0, "alltoall_bytes_unpruned": 20.0}
     tracker = LLEPStatsTracker(max_steps=4)
     tracker.record_pruning(step)
