@@ -128,7 +128,7 @@ def main() -> None:
     if resume:
         checkpointing.load_model_weights(resume, model)
     config = recipe.config
-    layers = finetune._moe_layers(model)
+    layers = finetune.moe_layers(model)
     forward_backward = get_forward_backward_func()
     rng = np.random.default_rng(1234 + rank)
     tokens_per_micro = bench.micro_batch_size * bench.seq_length
@@ -141,7 +141,7 @@ def main() -> None:
         """``count`` global batches from window ``first`` on; returns the slowest rank's mean step time."""
         model.train(not forward_only)
         iterator = sft_data.micro_batches(dataset, first, micro_batch, parallel_state.get_data_parallel_rank(), layout["dp"])
-        forward_step = functools.partial(finetune._forward_step, device, layers, args, config, {"microbatch": 0})
+        forward_step = functools.partial(finetune.forward_step, device, layers, args, config, {"microbatch": 0})
         dist.barrier()
         start = time.perf_counter()
         for _ in range(count):

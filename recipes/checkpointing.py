@@ -481,11 +481,13 @@ def load_checkpoint(
 
 def load_model_weights(directory: str, model) -> None:
     """Only the model weights of the checkpoint ``directory`` (from :func:`find_checkpoint`) into
-    ``model`` (DDP-wrapped), for evaluation and benchmarks: no optimizer, schedule or RNG, so the
-    optimizer may be set up differently from the run that saved it. Collective."""
+    ``model`` (DDP-wrapped or bare), for evaluation, generation and benchmarks: no optimizer, schedule
+    or RNG, so the optimizer may be set up differently from the run that saved it, or be absent.
+    The experts land in the order the checkpoint stores them (see :func:`load_checkpoint`). Collective."""
     watchdog.progress(f"loading the model weights of {directory}")
-    loaded = dist_checkpointing.load({"model": model.module.sharded_state_dict(metadata=SHARDING_METADATA)}, directory)
-    model.module.load_state_dict(loaded["model"])
+    module = getattr(model, "module", model)
+    loaded = dist_checkpointing.load({"model": module.sharded_state_dict(metadata=SHARDING_METADATA)}, directory)
+    module.load_state_dict(loaded["model"])
 
 
 def latest_iteration(root: str) -> Optional[int]:

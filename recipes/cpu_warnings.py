@@ -1,5 +1,5 @@
 """The known-harmless warnings Megatron-Core and torch print on every CPU run, silenced once for
-all CPU entry points (finetune.py, pretrain_gpt.py, make_indexed_dataset.py)."""
+all CPU entry points (finetune.py, evaluate.py, generate.py, pretrain_gpt.py, make_indexed_dataset.py)."""
 
 from __future__ import annotations
 

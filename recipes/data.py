@@ -64,6 +64,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
 
 @dataclass(frozen=True)
 class ByteTokenizer:
@@ -75,6 +77,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of the byte ids (BOS/EOS dropped; bytes that are not UTF-8 become U+FFFD)."""
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 class HuggingFaceTokenizer:
@@ -114,6 +120,10 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens kept (a chat reply's channel and end-of-turn markers)."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and each token's character span in ``text`` (no special tokens added, as
@@ -503,6 +513,35 @@ def _tokenize_sample(row: dict, tokenizer: Tokenizer, where: str) -> tuple[list[
     ids.append(tokenizer.eos_id)
     mask.append(True)
     return ids, mask
+
+
+def prompt_token_ids(record: dict, tokenizer: Tokenizer, where: str, chat_template: bool = True) -> list[int]:
+    """A generation prompt, ``{"prompt": text}`` or ``{"messages": [...]}`` (the conversation so far),
+    tokenized as fine-tuning renders such turns, up to where the model's reply begins: with the
+    tokenizer's chat template and its generation prompt (the assistant header; a ``prompt`` is one user
+    message) when it has one and ``chat_template``; otherwise BOS + the text, or BOS + ``role: content``
+    lines + ``assistant: ``. Errors name ``where`` (file:line or flag)."""
+    if ("prompt" in record) == ("messages" in record):
+        raise DataError(f"{where}: a prompt record needs either 'prompt' (a string) or 'messages' (a list), "
+                        f"got fields {sorted(record)}")
+    if "prompt" in record and not isinstance(record["prompt"], str):
+        raise DataError(f"{where}: field 'prompt' must be a string, got {_json_type(record['prompt'])}")
+    template = getattr(tokenizer, "chat_template", None) if chat_template else None
+    if template is not None:
+        messages = _check_messages(record["messages"], where) if "messages" in record else \
+            [{"role": "user", "content": record["prompt"]}]
+        try:
+            text, _ = template.render(messages, add_generation_prompt=True)
+        except Exception as err:  # raise_exception, undefined fields, type errors inside the template
+            raise DataError(f"{where}: the chat template {template.source} failed: {_one_line(err)}; "
+                            "fix the record or the template, or pass --no-chat-template") from err
+        return tokenizer.encode(text)
+    if "prompt" in record:
+        text = record["prompt"]
+    else:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in _check_messages(record["messages"], where))
+        text += "assistant: "
+    return ([] if tokenizer.bos_id is None else [tokenizer.bos_id]) + tokenizer.encode(text)
 
 
 def jsonl_objects(path: str, what: str) -> Iterator[tuple[str, dict]]:

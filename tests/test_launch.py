@@ -276,7 +276,7 @@ def test_sbatch_torchrun_mode_one_task_two_processes(local_slurm):
 
 
 def test_sbatch_per_task_mode_two_tasks(local_slurm):
-    with open(os.path.join(ROOT, "recipes", "finetune.py")) as f:
+    with open(os.path.join(ROOT, "recipes", "entry_point.py")) as f:  # finetune.py's start-up
         if "rendezvous_env_from_slurm" not in f.read():
-            pytest.skip("recipes/finetune.py does not call recipes.launch_env.rendezvous_env_from_slurm yet")
+            pytest.skip("recipes/entry_point.py does not call recipes.launch_env.rendezvous_env_from_slurm yet")
     _sbatch(local_slurm, "per-task", 2)

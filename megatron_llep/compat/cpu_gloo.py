@@ -2,8 +2,9 @@
 
 Megatron-Core 0.16 assumes CUDA in a handful of places (side streams in the alltoall dispatcher,
 ``torch.cuda.current_device()`` used as a device, CUDA RNG state, hard-coded ``device="cuda"`` in
-the optimizer, grad scaler, clip_grads and grad buffers). :func:`enable` patches exactly those
-places so that the real MoELayer, GPTModel, DDP and the distributed optimizer run on CPU.
+the optimizer, grad scaler, clip_grads and grad buffers; CUDA tensors asserted by text generation's
+pipeline-stage communication). :func:`enable` patches exactly those places so that the real MoELayer,
+GPTModel, DDP, the distributed optimizer and Megatron's static text generation run on CPU.
 
 The patches are process-wide and refuse to install when CUDA is available, so this module is inert
 on GPU machines. Never import it from library code paths that run in production.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -58,13 +60,18 @@ class _NullStream:
 
 
 class _NullEvent:
-    """Stands in for ``torch.cuda.Event``."""
+    """Stands in for ``torch.cuda.Event``; records the wall clock, so that ``elapsed_time`` works
+    (Megatron's static text generation times every decode step with events)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self._recorded_at = time.perf_counter()
 
     def record(self, stream: Any = None) -> None:
-        pass
+        self._recorded_at = time.perf_counter()
+
+    def elapsed_time(self, end_event: "_NullEvent") -> float:
+        """Milliseconds from this event's record to ``end_event``'s, as CUDA events report them."""
+        return (end_event._recorded_at - self._recorded_at) * 1e3
 
     def wait(self, stream: Any = None) -> None:
         pass
@@ -126,6 +133,11 @@ def _cpu_as_numpy_maybe_move_tensor_to_cpu(original: Callable) -> Callable:
     return maybe_move_tensor_to_cpu
 
 
+def _is_present(tensor: Any) -> None:
+    """Megatron's inference ``_is_cuda`` check without its CUDA part."""
+    assert tensor is not None
+
+
 def enable() -> bool:
     """Install the CPU patches once per process. Returns False (and patches nothing) under CUDA."""
     global _ENABLED, _MODE
@@ -163,6 +175,11 @@ def enable() -> bool:
     patched = _cpu_as_numpy_maybe_move_tensor_to_cpu(moe_utils.maybe_move_tensor_to_cpu)
     moe_utils.maybe_move_tensor_to_cpu = patched
     token_dispatcher.maybe_move_tensor_to_cpu = patched
+
+    from megatron.core.inference import communication_utils
+
+    # text generation's pipeline-stage send/receive/broadcast assert CUDA tensors; gloo moves CPU ones
+    communication_utils._is_cuda = _is_present
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()

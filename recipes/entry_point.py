@@ -1,0 +1,164 @@
+"""What the command-line entry points of recipes/ (finetune.py, evaluate.py, generate.py) do alike:
+report usage errors and bad input once per job (rank 0's line, exit status 2, no traceback), say
+what a long phase is doing, start the process group (NCCL on GPUs, gloo with the CPU compatibility
+layer on CPU) and the watchdog that ends a job whose ranks stopped making progress.
+
+Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):
+:class:`EntryPoint` holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+from typing import NoReturn, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_llep.writable import creation_problem
+
+# seconds a rank other than 0 waits, after finding a usage error, for the launcher to end it once rank 0
+# (which finds the same error) has reported it; then it reports the error itself
+PEER_ERROR_GRACE_S = 30.0
+
+
+def launch_rank() -> int:
+    """This process's global rank before any process group exists (torchrun's RANK, srun's SLURM_PROCID)."""
+    value = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(value) if value.isdigit() else 0
+
+
+def wait_for_rank_zero_report() -> None:
+    """On ranks other than 0: give rank 0 time to report an error every rank found, so the job prints it
+    once (torchrun and ``srun --kill-on-bad-exit`` end this process when rank 0 exits)."""
+    if launch_rank() != 0:
+        time.sleep(PEER_ERROR_GRACE_S)
+
+
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors (usage and one line, exit 2) are printed once per job, by rank 0."""
+
+    def error(self, message: str) -> NoReturn:
+        wait_for_rank_zero_report()
+        super().error(message)
+
+
+def check_numeric_domains(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: Sequence[str],
+                          non_negative: Sequence[str] = ()) -> None:
+    """Usage error for a numeric flag outside its domain (nan and infinities included), checked before
+    any process group or model exists."""
+    for names, holds, domain in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and ((isinstance(value, float) and not math.isfinite(value)) or not holds(value)):
+                parser.error(f"--{name.replace('_', '-')} must be {domain}, got {value}")
+
+
+def check_existing_files(parser: argparse.ArgumentParser, paths: Sequence[tuple[Optional[str], str]],
+                         directories_allowed: Sequence[str] = ()) -> None:
+    """Usage error for a ``(path, flag)`` that does not exist, or is a directory where a file is needed
+    (flags in ``directories_allowed`` take either)."""
+    for path, flag in paths:
+        if path is not None and not os.path.exists(path):
+            parser.error(f"{flag}: {path} does not exist")
+        if path is not None and flag not in directories_allowed and os.path.isdir(path):
+            parser.error(f"{flag}: {path} is a directory; give the file")
+
+
+def unwritable(directory: str) -> Optional[str]:
+    """Why files could not be written under ``directory`` (None: they can): tried with a real file,
+    which also catches read-only mounts and immutable directories."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{directory} is a file, not a directory"
+    # the directory itself when it exists (a probe file goes into it), else where it will be created
+    return creation_problem(os.path.join(directory, "probe") if os.path.isdir(directory) else directory)
+
+
+def check_writable_directories(parser: argparse.ArgumentParser, directories: Sequence[tuple[Optional[str], str]]) -> None:
+    """Usage error for a ``(directory, flag)`` output directory that cannot be created or written."""
+    for directory, flag in directories:
+        problem = directory and unwritable(directory)
+        if problem:
+            parser.error(f"{flag}: {problem}; give a writable directory")
+
+
+class EntryPoint:
+    """One entry point's voice (``name`` prefixes its lines) and its start-up as a distributed job."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def say(self, message: str) -> None:
+        """Print ``[name] message`` once per job (on rank 0)."""
+        if (dist.get_rank() if dist.is_initialized() else launch_rank()) == 0:
+            print(f"[{self.name}] {message}", flush=True)
+
+    def progress(self, rank: int, message: str) -> None:
+        """A line before a long phase (rank 0), so that a quiet minute is never a mystery; the phase is
+        also the watchdog's (every rank)."""
+        from recipes import watchdog
+
+        watchdog.progress(message)
+        if rank == 0:
+            print(f"[{self.name}] {message}", flush=True)
+
+    def fail(self, err: Exception, rank: int) -> NoReturn:
+        """Bad input found on every rank alike: one message (rank 0's), exit status 2, no traceback."""
+        del rank  # every rank finds it; rank 0 reports it and the launcher ends the others
+        wait_for_rank_zero_report()
+        print(f"[{self.name}] error: {err}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise SystemExit(2)
+
+    def init_distributed(self, timeout: Optional[datetime.timedelta] = None) -> tuple[int, int, torch.device]:
+        """Process group from torchrun's (or slurm's) environment: NCCL on GPUs, gloo + the CPU
+        compatibility layer on CPU. ``timeout``: how long a collective may wait (None: torch's default)."""
+        from recipes.launch_env import rendezvous_env_from_slurm
+
+        try:
+            rendezvous_env_from_slurm()
+        except ValueError as err:  # inconsistent SLURM_* variables
+            raise SystemExit(f"[{self.name}] error: {err}") from None
+        if "RANK" not in os.environ:
+            raise SystemExit(f"run me under torchrun (python -m torch.distributed.run --nproc_per_node 2 "
+                             f"recipes/{self.name}.py ...) or srun (see launch/)")
+        if torch.cuda.is_available():
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", timeout=timeout)
+            return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
+        from megatron_llep.compat import cpu_gloo
+
+        cpu_gloo.enable()
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        dist.init_process_group("gloo", timeout=timeout)
+        return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+
+    def start(self, watchdog_timeout: Optional[float]) -> tuple[int, int, torch.device]:
+        """The process group and, unless ``watchdog_timeout`` is 0, the watchdog (None: its default for
+        this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after it."""
+        from recipes import watchdog
+
+        timeout = watchdog_timeout
+        if timeout is None:
+            timeout = watchdog.default_timeout(torch.cuda.is_available())
+        rank, world, device = self.init_distributed(watchdog.collective_timeout(timeout) if timeout else None)
+        if timeout:
+            watchdog.Watchdog(timeout, rank, world, label=self.name).start()
+        return rank, world, device
+
+    def finish(self) -> None:
+        """End a run that went well: the watchdog, Megatron's process groups and the process group."""
+        from megatron.core import parallel_state
+
+        from recipes import watchdog
+
+        watchdog.stop()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
