@@ -17,10 +17,12 @@ Metric names (wandb keys):
   (LLEP layers; averaged over micro-batches and EP groups) and ``moe/layer_<n>/max_mean_load``
   (routing load of every MoE layer, LLEP or not)
 * ``moe/expert_load_heatmap``: image, MoE layers x experts, load / mean load, every N steps.
-* ``prune/{devices_per_token,remote_devices_per_token}`` and their ``*_unpruned``, ``prune/dropped_pairs``,
-  ``prune/dropped_pair_fraction``, ``prune/alltoall_bytes`` and ``prune/alltoall_bytes_unpruned``, ``prune/tokens``:
+* ``prune/{devices_per_token,remote_devices_per_token,cross_node_devices_per_token}`` and their ``*_unpruned``,
+  ``prune/dropped_pairs``, ``prune/dropped_pair_fraction``, ``prune/alltoall_bytes`` and
+  ``prune/alltoall_bytes_unpruned``, ``prune/tokens``:
   only with ``LLEPConfig.pruning`` (inference); counts summed over layers, micro-batches and ranks, per-token
-  figures per token and MoE layer (:func:`megatron_llep.metrics.pruning_metrics`).
+  figures per token and MoE layer (:func:`megatron_llep.metrics.pruning_metrics`; one phrase of them:
+  :func:`pruning_summary`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,35 @@ def llep_summary(metrics: dict[str, float]) -> str:
     spilling = sum(metrics[k] > 0 for k in active)
     return (f"LLEP {spilling}/{len(active)} layers spilled, max/mean {before:.2f} -> {after:.2f}, "
             f"{spilled:.0f} tokens spilled, {weight_kib:.0f} KiB weights, plan {plan_ms:.2f} ms")
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
+def pruning_summary(metrics: dict[str, float], pruning: Optional[Any] = None,
+                    ranks_per_node: Optional[int] = None) -> str:
+    """The routing-pruning statistics of :func:`gather_moe_metrics`' metrics in one phrase for a log
+    line, so that a lossy run says what it dropped and saved: ``pruning``'s p and method (a
+    :class:`megatron_llep.config.RoutingPruning`, which the metrics do not hold), devices per token
+    before -> after, devices in another node before -> after (only with ``ranks_per_node``: else one
+    node), the dropped (token, expert) pairs and the all-to-all bytes before -> after. "" without
+    pruning statistics."""
+    if "prune/tokens" not in metrics:
+        return ""
+    m = metrics
+    setting = f" p={pruning.p:g} ({pruning.method})" if pruning is not None else ""
+    parts = [f"pruning{setting}: devices/token {m['prune/devices_per_token_unpruned']:.2f} -> "
+             f"{m['prune/devices_per_token']:.2f}"]
+    if ranks_per_node is not None:
+        parts.append(f"other-node devices/token {m['prune/cross_node_devices_per_token_unpruned']:.2f} -> "
+                     f"{m['prune/cross_node_devices_per_token']:.2f}")
+    parts.append(f"{m['prune/dropped_pair_fraction']:.1%} pairs dropped ({m['prune/dropped_pairs']:.0f})")
+    parts.append(f"all-to-all {_bytes(m['prune/alltoall_bytes_unpruned'])} -> {_bytes(m['prune/alltoall_bytes'])}")
+    return ", ".join(parts)
 
 
 def heatmap_rgb(matrix: np.ndarray, cell: int = 12) -> np.ndarray:

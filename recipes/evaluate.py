@@ -48,8 +48,9 @@ ENTRY = EntryPoint("evaluate")
 POSITIVE = ("seq_length", "micro_batch_size", "eval_iters", "max_tokens")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = RankZeroArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str = __doc__, entry_name: str = "evaluate") -> argparse.ArgumentParser:
+    """evaluate.py's flags (data, model source, layout, LLEP, output); cap_pipeline.py adds its own."""
+    parser = RankZeroArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=sft_data.DEFAULT_DATA, metavar="PATH",
                       help="a JSONL file (the formats of recipes/data.py: text, prompt/response, messages) or a "
@@ -61,14 +62,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       help="evaluate at most this many global batches (micro batch x DP sequences); default: all data")
     data.add_argument("--max-tokens", type=int, default=None,
                       help="evaluate at most this many tokens (whole --seq-length windows); default: all data")
-    model_sources.add_arguments(parser, "evaluate", "write the result (loss, ppl, tokens, tokens/s, LLEP statistics) "
+    model_sources.add_arguments(parser, entry_name, "write the result (loss, ppl, tokens, tokens/s, LLEP statistics) "
                                                     "to this JSON file")
-    args = parser.parse_args(argv)
-    model_sources.check_arguments(parser, args, POSITIVE)
+    return parser
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    placement_uses_cost: bool = False) -> argparse.Namespace:
+    """Usage errors of :func:`build_parser`'s flags; sets ``args.data_format``."""
+    model_sources.check_arguments(parser, args, POSITIVE, placement_uses_cost=placement_uses_cost)
     if args.max_tokens is not None and args.max_tokens < args.seq_length:
         parser.error(f"--max-tokens {args.max_tokens} is less than one window of --seq-length {args.seq_length}")
     args.data_format = _data_format(parser, args.data)
     return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    return check_arguments(parser, parser.parse_args(argv))
 
 
 def _data_format(parser: argparse.ArgumentParser, path: str) -> str:
@@ -118,7 +129,7 @@ class EvaluatedWindows:
         return row if index < self.count else dict(row, loss_mask=np.zeros_like(row["loss_mask"]))
 
 
-def _windows_wanted(args: argparse.Namespace, global_batch: int) -> Optional[int]:
+def windows_wanted(args: argparse.Namespace, global_batch: int) -> Optional[int]:
     """The windows ``--eval-iters`` and ``--max-tokens`` allow (None: no limit)."""
     limits = [args.eval_iters * global_batch] if args.eval_iters else []
     if args.max_tokens:
@@ -126,14 +137,14 @@ def _windows_wanted(args: argparse.Namespace, global_batch: int) -> Optional[int
     return min(limits) if limits else None
 
 
-def _read_data(args: argparse.Namespace, world: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, str]:
+def read_data(args: argparse.Namespace, world: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, str]:
     """The samples of ``--data``, the ids the model must know (vocabulary size needed) and what was read."""
     if args.data_format == "jsonl":
         tokenizer = sft_data.load_tokenizer(args.tokenizer)
         samples = sft_data.read_sft_jsonl(args.data, tokenizer)
         return samples, tokenizer.vocab_size, f"{args.data} (tokenizer {args.tokenizer})"
     data_parallel = max(1, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
-    wanted = _windows_wanted(args, args.micro_batch_size * data_parallel)
+    wanted = windows_wanted(args, args.micro_batch_size * data_parallel)
     samples = read_indexed_documents(args.data, None if wanted is None else wanted * args.seq_length + 1)
     return samples, 1 + max(int(ids.max()) for ids, _ in samples), f"the indexed dataset {args.data}"
 
@@ -149,7 +160,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     source = model_sources.open_source(args, ENTRY, rank)
     ENTRY.progress(rank, f"reading {args.data}")
     try:
-        samples, vocab_needed, described = _read_data(args, world)
+        samples, vocab_needed, described = read_data(args, world)
     except sft_data.DataError as err:  # names the file (and line)
         ENTRY.fail(err, rank)
     try:
@@ -158,7 +169,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         ENTRY.fail(sft_data.DataError(f"--data {args.data}: {err}"), rank)
     recipe, model, layout = model_sources.build(args, source, ENTRY, rank, world, device, vocab_needed)
     global_batch = layout["global_batch"]
-    count = min(dataset.num_windows, _windows_wanted(args, global_batch) or dataset.num_windows)
+    count = min(dataset.num_windows, windows_wanted(args, global_batch) or dataset.num_windows)
     batches = math.ceil(count / global_batch)
     recorder = model_building.start_routing_trace(model, args, rank)
     load_meter = dashboard.MoELoadMeter(model)
@@ -192,10 +203,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         tokens_processed=processed, seconds=seconds, prefill_tokens_per_sec=processed / seconds,
         model=source.describe(args), recipe=recipe.name, data=args.data, llep=args.llep,
         force_routing=args.force_routing, layout=layout, moe=moe_metrics,
+        pruning=model_building.pruning_result(args),
     )
     ENTRY.say(f"loss {loss:.6f} | ppl {ppl:.3f} | {loss_tokens:,} loss tokens in {count} sequence(s) of "
               f"{args.seq_length} | {processed / seconds:,.0f} prefill tokens/s ({seconds:.2f} s) | "
-              f"{dashboard.llep_summary(moe_metrics)}")
+              f"{model_building.moe_summary(args, moe_metrics)}")
     metrics = {"eval/loss": loss, "eval/ppl": ppl, "eval/tokens": loss_tokens,
                "throughput/prefill_tokens_per_sec": processed / seconds, **moe_metrics}
     model_sources.publish(args, ENTRY, rank, layout["ep"], recorder, source, recipe.name, metrics,

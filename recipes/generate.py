@@ -264,7 +264,7 @@ def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
     decode_rate = generated_tokens / max(decode_seconds, 1e-9)
     ENTRY.say(f"prefill {prefill_rate:,.0f} tokens/s, decode {decode_rate:,.1f} tokens/s ({generated_tokens} tokens "
               f"in {len(wrapper.timings) - len(prefill)} decode steps, {decode_seconds:.2f} s) | "
-              f"{dashboard.llep_summary(moe_metrics)}")
+              f"{model_building.moe_summary(args, moe_metrics)}")
     metrics = {"generate/tokens": generated_tokens, "throughput/prefill_tokens_per_sec": prefill_rate,
                "throughput/decode_tokens_per_sec": decode_rate, **moe_metrics}
     model_sources.publish(args, ENTRY, rank, layout["ep"], recorder, source, recipe.name, metrics,

@@ -3,7 +3,8 @@ wraps it in DDP and an optimizer, evaluate.py and generate.py use it as it is.
 
 The model comes from a recipe (``--recipe``, recipes/models.py), with its sizes from a Hugging Face
 config.json (``--hf-checkpoint``) or from a Megatron-LM checkpoint's arguments (``--pretrained``);
-every ``MoELayer`` of its layer spec becomes an ``LLEPMoELayer`` (``with_llep``) unless ``--no-llep``;
+every ``MoELayer`` of its layer spec becomes an ``LLEPMoELayer`` (``with_llep``) unless ``--no-llep``
+(with ``--prune-p`` an LLEP layer that dispatches as plain EP, to prune);
 weights are imported right after construction and a CAP placement (``--placement``) applied last.
 The flags these steps read are defined here too (``add_*_arguments``), so that they mean the same in
 every entry point.
@@ -12,6 +13,7 @@ every entry point.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -19,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_llep.config import LLEPConfig, LLEPConfigError
+from megatron_llep.config import PRUNING_METHODS, LLEPConfig, LLEPConfigError, RoutingPruning
 from megatron_llep.cost_model import CostModel
 from recipes.entry_point import check_existing_files, check_writable_directories
 from recipes.models import RECIPES
@@ -27,6 +29,9 @@ from recipes.models import RECIPES
 # the LLEPConfig field each LLEP flag sets (its validation messages name the flag)
 LLEP_FLAGS = {"alpha": "--llep-alpha", "min_chunk_tokens": "--llep-min-chunk-tokens",
               "imbalance_threshold": "--llep-imbalance-threshold", "ranks_per_node": "--ranks-per-node"}
+# the RoutingPruning field each pruning flag sets (its validation messages name the flag)
+PRUNING_FLAGS = {"pruning.p": "--prune-p", "pruning.method": "--prune-method",
+                 "pruning.cross_node_cost": "--cross-node-cost"}
 # the numeric flags defined here that must be positive (the entry points check them with theirs)
 POSITIVE_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                   "trace_tokens_per_layer")
@@ -113,6 +118,25 @@ def add_llep_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--prune-p``, ``--prune-method``, ``--cross-node-cost``: CAP's routing pruning, for the
+    inference entry points only (training refuses pruning, so finetune.py does not offer them)."""
+    defaults = {field.name: field.default for field in dataclasses.fields(RoutingPruning)}
+    prune = parser.add_argument_group("CAP routing pruning (inference only, lossy; docs/inference.md)")
+    prune.add_argument("--prune-p", type=float, default=None, metavar="P",
+                       help="prune each token's routing before dispatch: the fraction of its routing-score mass "
+                            "that may be dropped, 0 <= P < 1 (default: off)")
+    # default None, so that the two refinements given without --prune-p can be told apart
+    prune.add_argument("--prune-method", choices=PRUNING_METHODS, default=None,
+                       help=f"devices (CAP): a token's destination devices ranked by score / cost, the last dropped "
+                            f"with all their experts; experts: the naive baseline, its lowest-score experts "
+                            f"dropped (default: {defaults['method']})")
+    prune.add_argument("--cross-node-cost", type=float, default=None, metavar="C",
+                       help=f"cost of a device in another node, >= 1 (the token's own device costs 0, another of "
+                            f"its node 1); a node is --ranks-per-node GPUs (none given: one node) "
+                            f"(default: {defaults['cross_node_cost']})")
+
+
 def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors of ``--hf-checkpoint`` / ``--pretrained``: directories that are not, both given, a
     recipe without a Hugging Face conversion."""
@@ -155,6 +179,51 @@ def check_llep_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
             parser.error(f"--force-routing F:H: H = {args.force_routing[1]} hot experts, but {args.recipe} has {experts}")
     check_existing_files(parser, [(args.placement, "--placement")])
     check_writable_directories(parser, [(args.record_routing_trace, "--record-routing-trace")])
+
+
+def pruning_settings(args: argparse.Namespace) -> Optional[RoutingPruning]:
+    """The :class:`RoutingPruning` of ``--prune-p`` / ``--prune-method`` / ``--cross-node-cost``
+    (None: off, also for entry points without these flags, e.g. finetune.py)."""
+    if getattr(args, "prune_p", None) is None:
+        return None
+    return RoutingPruning(args.prune_p, **_pruning_refinements(args))
+
+
+def _pruning_refinements(args: argparse.Namespace) -> dict:
+    """``--prune-method`` / ``--cross-node-cost`` where given (else RoutingPruning's defaults hold)."""
+    given = {"method": args.prune_method, "cross_node_cost": args.cross_node_cost}
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def pruning_result(args: argparse.Namespace) -> Optional[dict]:
+    """The routing-pruning settings a result records (None: off): what its ``prune/*`` figures
+    were measured under."""
+    pruning = pruning_settings(args)
+    return None if pruning is None else dict(dataclasses.asdict(pruning), ranks_per_node=args.ranks_per_node)
+
+
+def moe_summary(args: argparse.Namespace, metrics: dict[str, float]) -> str:
+    """The MoE phrase of an inference run's last log line: LLEP's statistics (or "plain EP") and,
+    with ``--prune-p``, what pruning dropped and saved (:func:`recipes.dashboard.pruning_summary`)."""
+    from recipes import dashboard
+
+    pruning = dashboard.pruning_summary(metrics, pruning_settings(args), args.ranks_per_node)
+    return " | ".join(filter(None, (dashboard.llep_summary(metrics), pruning)))
+
+
+def check_pruning_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                            placement_uses_cost: bool = False) -> None:
+    """Usage errors of :func:`add_pruning_arguments`' flags: RoutingPruning's own rules with the flag
+    named, and a refinement (``--prune-method``, ``--cross-node-cost``) without ``--prune-p``
+    (``placement_uses_cost``: the entry point also plans a placement with ``--cross-node-cost``)."""
+    try:  # each value is checked even without --prune-p (p = 0 stands in), so its own error is named
+        RoutingPruning(0.0 if args.prune_p is None else args.prune_p, **_pruning_refinements(args))
+    except LLEPConfigError as err:
+        parser.error(err.for_flag(PRUNING_FLAGS[err.knob]))
+    if args.prune_p is None:
+        for flag, value in (("--prune-method", args.prune_method), ("--cross-node-cost", args.cross_node_cost)):
+            if value is not None and not (flag == "--cross-node-cost" and placement_uses_cost):
+                parser.error(f"{flag} refines routing pruning, which is off without --prune-p P; add --prune-p")
 
 
 # The model -----------------------------------------------------------------------------------
@@ -246,6 +315,7 @@ def parallel_layout(args: argparse.Namespace, world: int, num_experts: int) -> d
 
 
 def llep_config(args: argparse.Namespace, on_gpu: bool) -> LLEPConfig:
+    """The LLEP layers' config from the flags (routing pruning only where the entry point offers it)."""
     return LLEPConfig(
         alpha=args.llep_alpha,
         min_chunk_tokens=args.llep_min_chunk_tokens if args.llep_min_chunk_tokens is not None else (1024 if on_gpu else 16),
@@ -254,6 +324,7 @@ def llep_config(args: argparse.Namespace, on_gpu: bool) -> LLEPConfig:
         # the tiny CPU recipes are priced against this CPU, not an H200 node
         cost_model=CostModel() if on_gpu else CostModel.cpu(),
         ranks_per_node=args.ranks_per_node,
+        pruning=pruning_settings(args),
     )
 
 
@@ -317,8 +388,11 @@ def build_model(args: argparse.Namespace, layout: dict[str, int], device: torch.
     if getattr(args, "moe_aux_loss_coeff", None) is not None:
         set_aux_loss_coeff(config, args.moe_aux_loss_coeff, recipe.name)
     spec = recipe.layer_spec()
+    layer_config = llep_config(args, on_gpu)
     if args.llep:
-        spec = with_llep(spec, llep_config(args, on_gpu))
+        spec = with_llep(spec, layer_config)
+    elif layer_config.pruning is not None:  # pruning lives in the LLEP layer: disabled, it dispatches as plain EP
+        spec = with_llep(spec, dataclasses.replace(layer_config, enabled=False))
     model = GPTModel(
         config, spec, mtp_block_spec=recipe.mtp_spec(spec),
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),

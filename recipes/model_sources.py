@@ -13,7 +13,7 @@
 * ``--random-init``: ``--recipe`` at its random initial weights (``--seed``): smoke tests and demos.
 
 Every path builds the model with :func:`recipes.model_building.build_model` (LLEP unless
-``--no-llep``), without DDP or an optimizer, in eval mode.
+``--no-llep``; routing pruned with ``--prune-p``), without DDP or an optimizer, in eval mode.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ NO_SOURCE = ("no model given: pass --load DIR (a fine-tuning checkpoint), --pret
 
 
 def add_arguments(parser: argparse.ArgumentParser, entry_name: str, output_help: str) -> None:
-    """The model-source, layout, LLEP, output and wandb flags evaluate.py and generate.py share."""
+    """The model-source, layout, LLEP, routing-pruning, output and wandb flags evaluate.py and generate.py share."""
     source = parser.add_argument_group("model (exactly one of --load, --pretrained, --hf-checkpoint, --random-init)")
     source.add_argument("--load", default=None, metavar="DIR",
                         help="a fine-tuning checkpoint: recipes/finetune.py's --save directory (its latest checkpoint) "
@@ -57,15 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser, entry_name: str, output_help:
     model_building.add_checkpoint_reading_arguments(source)
     model_building.add_parallel_arguments(parser)
     model_building.add_llep_arguments(parser)
+    model_building.add_pruning_arguments(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--output", default=None, metavar="FILE", help=output_help)
     model_building.add_wandb_arguments(output, f"{entry_name}-<recipe>", "./runs/wandb")
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: Sequence[str] = (),
-                    non_negative: Sequence[str] = ()) -> None:
+                    non_negative: Sequence[str] = (), placement_uses_cost: bool = False) -> None:
     """Usage errors of :func:`add_arguments`' flags (and ``positive`` / ``non_negative`` ones of the
-    entry point), before any process group exists."""
+    entry point), before any process group exists (``placement_uses_cost``: see
+    :func:`model_building.check_pruning_arguments`)."""
     given = [flag for flag, value in zip(SOURCE_FLAGS, (args.load, args.pretrained, args.hf_checkpoint,
                                                         args.random_init)) if value]
     if not given:
@@ -87,6 +89,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, p
         parser.error(f"--load: {args.load} is not a directory (give a fine-tuning --save directory or an iter_* one)")
     model_building.check_model_arguments(parser, args)
     model_building.check_llep_arguments(parser, args, recipe_is_known=args.random_init)
+    model_building.check_pruning_arguments(parser, args, placement_uses_cost)
     check_existing_files(parser, [(args.tokenizer, "--tokenizer")], directories_allowed=["--tokenizer"])
     problem = args.output and (f"{args.output} is a directory; give a file name" if os.path.isdir(args.output)
                                else creation_problem(args.output))

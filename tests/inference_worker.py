@@ -72,10 +72,10 @@ def evaluation_loss(model, eval_args, world: int, recipe) -> float:
     from recipes import dashboard, finetune
     from recipes import data as sft_data
 
-    samples, _, _ = evaluate._read_data(eval_args, world)
+    samples, _, _ = evaluate.read_data(eval_args, world)
     dataset = sft_data.PackedSFTDataset(samples, eval_args.seq_length, seed=finetune.VALID_PACKING_SEED)
     layout = model_building.parallel_layout(eval_args, world, recipe.config.num_moe_experts)
-    count = min(dataset.num_windows, evaluate._windows_wanted(eval_args, layout["global_batch"]) or dataset.num_windows)
+    count = min(dataset.num_windows, evaluate.windows_wanted(eval_args, layout["global_batch"]) or dataset.num_windows)
     state = {"microbatch": 0}
     step = partial(finetune.forward_step, torch.device("cpu"), model_building.moe_layers(model), eval_args,
                    recipe.config, state)

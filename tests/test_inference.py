@@ -2,8 +2,9 @@
 on 2 CPU gloo ranks (EP = 2), from a fine-tuning checkpoint saved in a CAP placement (--load): with LLEP
 spilling under forced imbalance they give plain EP's tokens, log-probs and loss; generation equals an
 independent full-recompute oracle (tests/inference_worker.py); a changed prompt or a perturbed weight
-is detected; the fine-tuning run's validation loss is reproduced at any placement; bad input is one
-line with exit status 2."""
+is detected; the fine-tuning run's validation loss is reproduced at any placement; CAP routing pruning
+(--prune-p) changes nothing at p = 0 and drops devices and pairs at p = 0.5; bad input is one line with
+exit status 2."""
 
 import json
 import os
@@ -21,6 +22,7 @@ DATA = os.path.join(ROOT, "recipes", "data", "tiny_sft.jsonl")
 # 90% of the tokens into the 4 experts of EP rank 0 (physical slots), every chunk worth spilling
 IMBALANCE = ["--force-routing", "0.9:4", "--llep-min-chunk-tokens", "1"]
 EVAL = ["--seq-length", "32", "--micro-batch-size", "2", "--eval-iters", "2"]
+VALID = ["--data", DATA, "--seq-length", "32", "--micro-batch-size", "2", "--eval-iters", "1"]  # finetune's validation
 PROMPTS = [{"prompt": "Hello world"}, {"prompt": "Hello worle"},  # one character apart: the negative control
            {"messages": [{"role": "user", "content": "The quick brown fox"}]}]
 # the fine-tuning run's CAP placement, and another one the worker moves the experts to
@@ -63,13 +65,18 @@ def runs(tmp_path_factory):
                                       "[generate]")
         out[f"generate_{mode}_records"] = [json.loads(line) for line in (tmp / f"{mode}.jsonl").read_text().splitlines()]
     # evaluate.py with LLEP here; at plain EP in the worker (tests/inference_worker.py), which shares the model
-    out["evaluate_llep"] = _ok(_torchrun(EVALUATE, *model, *EVAL, "--output", str(tmp / "llep.json"), "--wandb-project",
-                                         "t", "--wandb-save-dir", str(tmp / "wandb")), "[evaluate]")
+    # --prune-p 0 (routing pruning on, dropping nothing) must leave the loss alone
+    out["evaluate_llep"] = _ok(_torchrun(EVALUATE, *model, *EVAL, "--prune-p", "0", "--output", str(tmp / "llep.json"),
+                                         "--wandb-project", "t", "--wandb-save-dir", str(tmp / "wandb")), "[evaluate]")
     out["evaluate_llep_result"] = json.loads((tmp / "llep.json").read_text())
+    # CAP pruning at p = 0.5 without LLEP (the LLEP layer dispatching as plain EP), one GPU per node, on the
+    # fine-tuning run's validation windows (the worker's valid_args: natural routing, which spans both devices)
+    out["evaluate_pruned"] = _ok(_torchrun(EVALUATE, "--load", str(tmp / "ckpt"), *VALID, "--prune-p", "0.5", "--no-llep",
+                                           "--ranks-per-node", "1", "--output", str(tmp / "pruned.json")), "[evaluate]")
+    out["evaluate_pruned_result"] = json.loads((tmp / "pruned.json").read_text())
     spec = {"generate_args": generate_args, "generations": str(tmp / "llep.jsonl"), "evaluate_args": [*model, *EVAL],
             "scratch": str(tmp), "other_placement": str(tmp / "other_placement.json"),
-            "valid_args": ["--load", str(tmp / "ckpt"), "--data", DATA, "--seq-length", "32", "--micro-batch-size", "2",
-                           "--eval-iters", "1"]}
+            "valid_args": ["--load", str(tmp / "ckpt"), *VALID]}
     line, = _ok(_torchrun(WORKER, json.dumps(spec)), "REPORT ")
     out["worker"] = json.loads(line[len("REPORT "):])
     return out
@@ -129,6 +136,28 @@ def test_generation_equals_full_recompute_oracle_and_perturbations_are_detected(
     assert report["kept_placement_valid_loss"] == pytest.approx(runs["finetune_valid_loss"], abs=6e-5)
 
 
+def test_routing_pruning_in_evaluation(runs):
+    """--prune-p 0 prunes nothing (plain EP's loss); --prune-p 0.5 drops pairs and devices, changes the
+    loss, and says so in the result line and the JSON (settings and prune/* figures)."""
+    unpruned, pruned = runs["evaluate_llep_result"], runs["evaluate_pruned_result"]
+    assert unpruned["loss"] == pytest.approx(runs["worker"]["eval_loss"], abs=1e-6)
+    assert unpruned["pruning"] == {"p": 0.0, "method": "devices", "cross_node_cost": 4.0, "ranks_per_node": None}
+    moe = unpruned["moe"]
+    assert moe["prune/dropped_pairs"] == 0 and moe["prune/tokens"] > 0
+    assert moe["prune/devices_per_token"] == moe["prune/devices_per_token_unpruned"]
+    assert "pruning p=0 (devices): devices/token" in runs["evaluate_llep"][-2]
+    assert pruned["pruning"] == {"p": 0.5, "method": "devices", "cross_node_cost": 4.0, "ranks_per_node": 1}
+    # the same windows unpruned (the worker, at plain EP)
+    assert not pruned["llep"] and abs(pruned["loss"] - runs["worker"]["kept_placement_valid_loss"]) > 1e-4
+    moe = pruned["moe"]
+    assert moe["prune/dropped_pairs"] > 0 and 0 < moe["prune/dropped_pair_fraction"] < 1
+    assert moe["prune/devices_per_token"] < moe["prune/devices_per_token_unpruned"]
+    assert moe["prune/alltoall_bytes"] < moe["prune/alltoall_bytes_unpruned"]
+    line = runs["evaluate_pruned"][-2]
+    assert "plain EP | pruning p=0.5 (devices): devices/token " in line and "other-node devices/token" in line
+    assert "pairs dropped" in line and "all-to-all " in line
+
+
 def test_load_rebuilds_the_fine_tuned_model_in_its_placement(runs):
     lines = runs["evaluate_llep"]
     assert any("the experts stay in the CAP placement the checkpoint was saved in" in line for line in lines)
@@ -159,6 +188,13 @@ def _usage_error(capsys, parse, argv) -> str:
     (["--random-init", "--llep-alpha", "nan"], "--llep-alpha"),
     (["--random-init", "--force-routing", "0.9"], "--force-routing expects F:H"),
     (["--random-init", "--output", "/proc/result.json"], "--output: "),
+    (["--random-init", "--prune-p", "1.0"], "--prune-p (the score mass a token may drop) must be within [0, 1)"),
+    (["--random-init", "--prune-p", "-0.1"], "--prune-p (the score mass a token may drop) must be within [0, 1)"),
+    (["--random-init", "--prune-p", "0.2", "--prune-method", "tokens"], "argument --prune-method: invalid choice"),
+    (["--random-init", "--prune-p", "0.2", "--cross-node-cost", "0.5"], "--cross-node-cost must be a finite number >= 1"),
+    (["--random-init", "--cross-node-cost", "0.5"], "--cross-node-cost must be a finite number >= 1"),
+    (["--random-init", "--prune-method", "experts"], "--prune-method refines routing pruning, which is off without "
+                                                     "--prune-p"),
 ])
 def test_evaluate_usage_errors_are_one_line(capsys, argv, message):
     from recipes import evaluate
@@ -180,6 +216,20 @@ def test_generate_usage_errors_are_one_line(capsys, argv, message):
     from recipes import generate
 
     assert message in _usage_error(capsys, generate.parse_args, argv)
+
+
+def test_generate_offers_pruning_and_finetune_does_not(capsys):
+    """Pruning is refused in training: finetune.py has no such flags (argparse: unknown argument)."""
+    from recipes import finetune, generate
+
+    args = generate.parse_args(["--random-init", "--prompt", "x", "--prune-p", "0.3", "--prune-method", "experts"])
+    assert (args.prune_p, args.prune_method) == (0.3, "experts")
+    assert "--cross-node-cost" in _usage_error(capsys, generate.parse_args, ["--random-init", "--prompt", "x",
+                                                                             "--cross-node-cost", "2"])
+    assert "unrecognized arguments: --prune-p 0.5" in _usage_error(capsys, finetune.parse_args, ["--prune-p", "0.5"])
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--help"])
+    assert "prune" not in capsys.readouterr().out.lower()
 
 
 def test_bad_prompt_records_name_the_line(tmp_path):
