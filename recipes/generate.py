@@ -245,7 +245,7 @@ def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     watchdog.progress("generating")
     with mtp_skipped(model):  # the main model's next-token logits (DeepSeek-V3's MTP layers predict further ahead)
-        finished = {request.request_id: request for request in engine.generate(inference_requests=requests)}
+        finished = {request.request_id: request for request in mcore_inference.generate(engine, requests)}
     moe_metrics, _, _ = dashboard.gather_moe_metrics(load_meter)
     records = []
     for index, (prompt, ids) in enumerate(prompts):

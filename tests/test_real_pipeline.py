@@ -112,3 +112,20 @@ def test_finetuned_model_is_traced_and_benchmarked_on_its_own_routing(pipeline, 
     for mode in ("EP", "LLEP", "ideal"):
         assert rows[0][f"{mode}_train_tokens_per_s"] > 0 and rows[0][f"{mode}_eval_tokens_per_s"] > 0
         assert len(rows[0][f"{mode}_peak_mb_per_rank"]) == 2
+    # inference on the same model and routing: pruning accuracy (CAP placement from the trace above) and speed
+    bench = os.path.join(ROOT, "benchmarks", "inference_cpu.py")
+    common = ["--load", ft, "--corpus", str(corpus_dir), "--label", "finetuned", "--domains", "legal",
+              "--seq-length", "64", "--micro-batch-size", "2", "--trace-dir", str(tmp_path), "--ranks-per-node", "1"]
+    _torchrun(bench, "accuracy", *common, "--max-tokens", "256", "--p", "0.3", "--out", str(tmp_path / "accuracy.json"))
+    rows = json.load(open(tmp_path / "accuracy.json"))["rows"]
+    assert {(r["placement"], r["method"], r["p"]) for r in rows} == {
+        (placement, method, p) for placement in ("sequential", "CAP") for method in ("devices", "experts") for p in (0, 0.3)}
+    for row in rows:
+        pruned = row["p"] > 0
+        assert (row["devices_per_token"] < row["devices_per_token_unpruned"]) == pruned
+        assert (abs(row["ppl"] / row["unpruned_ppl"] - 1) < 1e-6) == (not pruned)
+    _torchrun(bench, "speed", *common, "--repeats", "1", "--prefill-batches", "1", "--prompts", "2",
+              "--prompt-tokens", "16", "--new-tokens", "4", "--out", str(tmp_path / "speed.json"))
+    row = json.load(open(tmp_path / "speed.json"))["rows"][0]
+    for mode in ("EP", "LLEP", "LLEP+CAP", "LLEP+CAP+pruning"):
+        assert row[f"{mode}_prefill_tokens_per_s"] > 0 and row[f"{mode}_decode_tokens_per_s"] > 0

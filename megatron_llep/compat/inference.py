@@ -15,13 +15,18 @@ the end-of-document id), ``GPTInferenceWrapper`` (the forward calls) and ``Stati
   NVLink symmetric memory: ``legacy=True`` is asked for explicitly (0.16 falls back to it with a
   warning anyway).
 
+* 0.19's engine marks the whole process as inferring (``InferenceMode``) from its construction on,
+  after which a forward with labels (a loss evaluation beside generation) fails; here the mark is
+  held only while :func:`generate` runs (0.16 has no such mark).
+
 Works on CPU with :mod:`megatron_llep.compat.cpu_gloo` enabled (its events time the decode steps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
@@ -35,6 +40,31 @@ try:  # 0.16 only
     from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 except ImportError:
     InferenceWrapperConfig = None
+try:  # 0.19 on
+    from megatron.core.inference.utils import InferenceMode
+except ImportError:
+    InferenceMode = None
+
+
+@contextlib.contextmanager
+def _inference_mode(active: bool) -> Iterator[None]:
+    """Megatron's process-wide "an engine is using the model" mark set to ``active`` inside the block."""
+    if InferenceMode is None:
+        yield
+        return
+    previous = InferenceMode.is_active()
+    (InferenceMode.set_active if active else InferenceMode.unset_active)()
+    try:
+        yield
+    finally:
+        (InferenceMode.set_active if previous else InferenceMode.unset_active)()
+
+
+def generate(engine: StaticInferenceEngine, requests: list[InferenceRequest]) -> list[InferenceRequest]:
+    """``engine.generate`` over ``requests`` (finished requests back), the process marked as inferring
+    only meanwhile."""
+    with _inference_mode(True):
+        return engine.generate(inference_requests=requests)
 
 
 def static_inference_engine(
@@ -64,7 +94,7 @@ def static_inference_engine(
         wrapper = wrapper_class(model, StaticInferenceContext(max_batch_size, max_sequence_length))
     controller = controller_class(wrapper, tokenizer)
     controller.sampling_rng.manual_seed(seed)
-    with warnings.catch_warnings():  # chosen on purpose (see above), not a note for every run and rank
+    with warnings.catch_warnings(), _inference_mode(False):  # the mark: only while generate() runs
         warnings.filterwarnings("ignore", message="The static engine will be deprecated")
         return StaticInferenceEngine(controller, max_batch_size=max_batch_size, random_seed=seed, legacy=True)
 
