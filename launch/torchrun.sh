@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Launch recipes/finetune.py with torchrun on this node (one process per GPU, or 2 on CPU).
+# Launch recipes/finetune.py (or another entry point: LLEP_ENTRY) with torchrun on this node (one process per
+# GPU, or 2 on CPU).
 set -euo pipefail
 
 usage="usage: $(basename "$0") [-h] [recipes/finetune.py args...]
   env: NPROC_PER_NODE (GPU count, or 2 on CPU)  NNODES (1)  NODE_RANK (0)
        MASTER_ADDR (localhost)  MASTER_PORT (29500)  PYTHON (python)
        DISTRIBUTED_CONFIG: a distributed_config.env to source first (its values override the environment)
-       LLEP_ENTRY: finetune (default, recipes/finetune.py) or pretrain_gpt (recipes/pretrain_gpt.py:
-                   Megatron-LM's loop and flags, docs/pretrain.md)
+       LLEP_ENTRY: finetune (default, recipes/finetune.py), pretrain_gpt (recipes/pretrain_gpt.py:
+                   Megatron-LM's loop and flags, docs/pretrain.md), evaluate, generate or cap_pipeline
+                   (recipes/<name>.py, docs/inference.md)
   finetune.py's own options: python recipes/finetune.py -h"
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then echo "$usage"; exit 0; fi
 
@@ -19,8 +21,9 @@ if [[ -n ${DISTRIBUTED_CONFIG:-} ]]; then
 fi
 source launch/env.sh
 entry=recipes/${LLEP_ENTRY:-finetune}.py
-[[ ${LLEP_ENTRY:-finetune} == @(finetune|pretrain_gpt) ]] || {
-    echo "$0: LLEP_ENTRY must be finetune or pretrain_gpt, got '$LLEP_ENTRY'" >&2; exit 2; }
+[[ ${LLEP_ENTRY:-finetune} == @(finetune|pretrain_gpt|evaluate|generate|cap_pipeline) ]] || {
+    echo "$0: LLEP_ENTRY must be finetune, pretrain_gpt, evaluate, generate or cap_pipeline, got '$LLEP_ENTRY'" >&2
+    exit 2; }
 
 if (( LLEP_GPUS > 0 )); then : "${NPROC_PER_NODE:=$LLEP_GPUS}"; else : "${NPROC_PER_NODE:=2}"; fi
 : "${NNODES:=1}" "${NODE_RANK:=0}" "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=29500}"

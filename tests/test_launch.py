@@ -171,6 +171,16 @@ def test_torchrun_sh_usage_and_bad_input():
     assert proc.returncode == 2 and "MASTER_PORT=http is not a non-negative integer" in proc.stderr
     proc = _run(["launch/torchrun.sh"], env={"DISTRIBUTED_CONFIG": "/nonexistent.env"})
     assert proc.returncode == 2 and "is not a file" in proc.stderr
+    proc = _run(["launch/torchrun.sh"], env={"LLEP_ENTRY": "serve"})
+    assert proc.returncode == 2 and "LLEP_ENTRY must be finetune, pretrain_gpt, evaluate, generate or cap_pipeline" \
+        in proc.stderr
+
+
+def test_torchrun_sh_starts_the_inference_entry_points():
+    proc = _run(["launch/torchrun.sh", "--random-init", "--seq-length", "32", "--eval-iters", "1"],
+                env={"LLEP_ENTRY": "evaluate", "MASTER_PORT": _free_port()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[evaluate] loss " in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
