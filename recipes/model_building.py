@@ -414,8 +414,17 @@ def build_model(args: argparse.Namespace, layout: dict[str, int], device: torch.
 
 def apply_placement(model: torch.nn.Module, placement, source: str, say: Callable[[str], None]) -> None:
     """Put the model's experts in ``placement``'s order (read from ``source``, named in errors)."""
-    from megatron_llep.placement import apply_placement as permute
+    import torch.distributed as dist
 
+    from megatron_llep.placement import apply_placement as permute
+    from megatron_llep.placement.apply import moe_layers as moe_layers_by_number
+
+    stages: list = [None] * dist.get_world_size()  # every pipeline stage's MoE layers (collective)
+    dist.all_gather_object(stages, sorted(moe_layers_by_number(model)))
+    unknown = sorted(set(placement.layers) - {n for numbers in stages for n in numbers})
+    if unknown:
+        raise ConfigError(f"--placement {source}: the model has no MoE layer {', '.join(map(str, unknown))} (its MoE "
+                          f"layers: {', '.join(map(str, sorted({n for s in stages for n in s})))}); is it this model's file?")
     try:
         permute(model, placement)
     except ValueError as err:

@@ -274,3 +274,15 @@ def test_missing_checkpoint_is_one_line_from_rank_zero(tmp_path):
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[evaluate] error:")]
     assert errors == [f"[evaluate] error: no checkpoint at {str(empty)!r} (neither latest_checkpointed_iteration.txt "
                       "nor a dist_checkpointing directory)"], proc.stderr[-3000:]
+
+
+def test_placement_for_a_layer_the_model_lacks_is_one_line(tmp_path):
+    from megatron_llep.placement import ExpertPlacement
+
+    path = tmp_path / "placement.json"
+    ExpertPlacement(8, 2, {n: list(range(8)) for n in (1, 2, 9)}).save(str(path))  # gpt-oss-tiny: MoE layers 1, 2
+    proc = _torchrun(EVALUATE, "--random-init", "--placement", str(path), "--watchdog-timeout", "0")
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[evaluate] error:")]
+    assert errors == [f"[evaluate] error: --placement {path}: the model has no MoE layer 9 (its MoE layers: 1, 2); "
+                      "is it this model's file?"], proc.stderr[-3000:]

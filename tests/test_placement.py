@@ -269,6 +269,15 @@ def test_placement_validation_inverse_and_file_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="not an expert placement"):
         ExpertPlacement.load(str(tmp_path / "bad.json"))
+    payload = placement.to_json()
+    for layers, message in (({"1": [5.0, 0, 7, 2, 1, 6, 3, 4]}, "layer 1: expert ids must be a list of integers"),
+                            ({"1": [5.5, 0, 7, 2, 1, 6, 3, 4]}, "layer 1: expert ids must be a list of integers"),
+                            ({"1": [True, 0, 7, 2, 5, 6, 3, 4]}, "layer 1: expert ids must be a list of integers"),
+                            ({"1.5": list(range(8))}, "layer '1.5' is not a layer number"),
+                            ({"x": list(range(8))}, "layer 'x' is not a layer number"),
+                            ([list(range(8))], "'layers' must map MoE layer numbers")):
+        with pytest.raises(ValueError, match=message):
+            ExpertPlacement.from_json(dict(payload, layers=layers), "p.json")
     with pytest.raises(KeyError, match="no MoE layer 2"):
         placement.slot_to_expert(2)
     with pytest.raises(ValueError, match="every GPU must hold exactly 2"):

@@ -155,7 +155,15 @@ class ExpertPlacement:
         num_experts, ep_size = int(payload["num_experts"]), int(payload["ep_size"])
         if "experts_per_rank" in payload and payload["experts_per_rank"] * ep_size != num_experts:
             raise ValueError(f"{source}: experts_per_rank={payload['experts_per_rank']} x ep_size={ep_size} != {num_experts}")
-        layers = {int(n): np.asarray(p, dtype=np.int64) for n, p in payload["layers"].items()}
+        if not isinstance(payload.get("layers"), dict):
+            raise ValueError(f"{source}: 'layers' must map MoE layer numbers to expert-id lists")
+        layers = {}
+        for n, perm in payload["layers"].items():
+            if not str(n).isdigit():
+                raise ValueError(f"{source}: layer {n!r} is not a layer number (a non-negative integer)")
+            if not isinstance(perm, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in perm):
+                raise ValueError(f"{source}: layer {n}: expert ids must be a list of integers, got {perm!r:.80}")
+            layers[int(n)] = np.asarray(perm, dtype=np.int64)
         return cls(num_experts, ep_size, layers, int(payload.get("routing_groups", 1)), dict(payload.get("metadata", {})))
 
     @classmethod
