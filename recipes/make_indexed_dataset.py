@@ -69,19 +69,37 @@ def build_indexed_dataset(input_path: str, output_prefix: str, tokenizer_path: s
     quiet_known_cpu_warnings()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if os.path.isdir(output_prefix) or output_prefix.endswith(os.sep):
+        raise InputError(f"--output-prefix {output_prefix} is a directory; give a file-name prefix inside it "
+                         f"(e.g. {os.path.join(output_prefix, 'corpus')})")
     tokenizer = sft_data.load_tokenizer(tokenizer_path)
     prefix = f"{output_prefix}_text_document"
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    outputs = (get_bin_path(prefix), get_idx_path(prefix))
     documents = tokens = 0
-    for text in read_documents(input_path, json_key):
-        ids = np.asarray([*tokenizer.encode(text), tokenizer.eos_id], dtype=np.int64)
-        builder.add_document(ids, [ids.size])
-        documents += 1
-        tokens += ids.size
-    builder.finalize(get_idx_path(prefix))
-    if documents == 0:
-        raise InputError(f"{input_path}: no documents")
+    try:
+        builder = IndexedDatasetBuilder(outputs[0], dtype=DType.optimal_dtype(tokenizer.vocab_size))
+        for text in read_documents(input_path, json_key):
+            ids = np.asarray([*tokenizer.encode(text), tokenizer.eos_id], dtype=np.int64)
+            builder.add_document(ids, [ids.size])
+            documents += 1
+            tokens += ids.size
+        builder.finalize(outputs[1])
+        if documents == 0:
+            raise InputError(f"{input_path}: no documents")
+        # read back what reached the disk: a full disk can truncate a write without an error
+        written = IndexedDataset(prefix)
+        if len(written) != documents or int(written.sequence_lengths.sum()) != tokens or \
+                os.path.getsize(outputs[0]) != tokens * written.index.dtype_size:
+            raise InputError(f"{outputs[0]}: the written dataset is incomplete ({os.path.getsize(outputs[0])} bytes); "
+                             f"is the disk full? It needs about {tokens * written.index.dtype_size:,} bytes")
+    except BaseException:
+        for path in outputs:  # no half-written dataset left to be trained on
+            if os.path.exists(path):
+                os.remove(path)
+        raise
     return prefix, documents, tokens
 
 

@@ -430,3 +430,36 @@ def test_aux_loss_coefficient_applies_to_a_model_with_one_balancing_loss():
     with pytest.raises(finetune.ConfigError, match=r"^--moe-aux-loss-coeff 0.01: gpt-oss-tiny's router has "
                                                     r"load-balancing loss 'none'"):
         finetune.set_aux_loss_coeff(gpt_oss, 0.01, "gpt-oss-tiny")
+
+
+def test_make_indexed_dataset_refuses_a_directory_prefix_and_leaves_nothing_when_the_write_is_short(
+        tmp_path, capsys, monkeypatch):
+    """A directory as --output-prefix is one line; a write cut short (a full disk can truncate it without
+    an error) is found by reading the dataset back: one line naming the file, and no .bin/.idx left."""
+    from megatron.core.datasets import indexed_dataset
+
+    from recipes import make_indexed_dataset
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"text": "hello world"}\n{"text": "a second document"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        make_indexed_dataset.main([str(data), "--output-prefix", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"--output-prefix {tmp_path} is a directory" in capsys.readouterr().err
+    finalize = indexed_dataset.IndexedDatasetBuilder.finalize
+
+    def finalize_then_lose_the_tail(self, idx_path):
+        finalize(self, idx_path)
+        bin_path = idx_path[:-4] + ".bin"
+        os.truncate(bin_path, os.path.getsize(bin_path) - 3)
+
+    monkeypatch.setattr(indexed_dataset.IndexedDatasetBuilder, "finalize", finalize_then_lose_the_tail)
+    with pytest.raises(SystemExit) as exit_info:
+        make_indexed_dataset.main([str(data), "--output-prefix", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out_text_document.bin: the written dataset is incomplete" in err[0], err
+    assert not list(tmp_path.glob("out_text_document*"))
+    monkeypatch.setattr(indexed_dataset.IndexedDatasetBuilder, "finalize", finalize)
+    make_indexed_dataset.main([str(data), "--output-prefix", str(tmp_path / "out")])
+    assert "2 documents" in capsys.readouterr().out
