@@ -292,6 +292,23 @@ def test_cli_usage_errors_exit_2(tmp_path):
     assert result.returncode == 2 and "--hf:" in result.stderr and "is not a directory" in result.stderr
     result = _run(["-m", "recipes.hf", "export", "--load", str(tmp_path), "--out", "x", "--bogus"])
     assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr
+    (tmp_path / "file").write_text("")
+    for out, message in ((tmp_path / "file", "is a file; give a directory"), ("/proc/hf_out", "--out: ")):
+        result = _run(["-m", "recipes.hf", "export", "--load", str(tmp_path), "--out", str(out)])
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_damaged_safetensors_are_one_error_naming_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError
+
+    (tmp_path / "config.json").write_text("{}")
+    shard = tmp_path / "model.safetensors"
+    save_file({"a": torch.zeros(1000)}, str(shard))
+    os.truncate(shard, 2000)  # a copy cut short
+    with pytest.raises(HFCheckpointError, match=f"{shard}: not a readable safetensors file, damaged or truncated"):
+        HFCheckpoint(str(tmp_path))
 
 
 def test_gate_up_layout_under_expert_tensor_parallelism():

@@ -191,6 +191,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"--hf: {args.hf} is not a directory")
     if args.command == "export" and not os.path.isdir(args.load):
         parser.error(f"--load: {args.load} is not a directory")
+    if args.command == "export":
+        from megatron_llep.writable import creation_problem
+
+        problem = (f"{args.out} is a file; give a directory to write the checkpoint into" if os.path.isfile(args.out)
+                   else creation_problem(os.path.join(args.out, "config.json")))  # inside it, if it exists
+        if problem:
+            parser.error(f"--out: {problem}")
     _single_process_env()
     import torch.distributed as dist
 

@@ -30,9 +30,14 @@ class HFCheckpointError(ValueError):
 
 
 def _safe_open(path: str):
-    from safetensors import safe_open
+    """``safe_open`` of one shard; a damaged or truncated file is an :class:`HFCheckpointError` naming it."""
+    from safetensors import SafetensorError, safe_open
 
-    return safe_open(path, framework="pt", device="cpu")
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise HFCheckpointError(f"{path}: not a readable safetensors file, damaged or truncated ({err}); "
+                                "download or copy it again") from None
 
 
 class HFCheckpoint:
