@@ -6,17 +6,25 @@ turn them off. This wrapper runs torchrun's own ``main`` (its error-file handlin
 turns both into one line and the conventional exit status: 128 + the signal for a signal (the
 workers were sent it too and, with ``--save``, save and stop), the first failed worker's own
 status (e.g. 2 for a usage error) when a worker fails. Workers' own messages are theirs.
+
+Before starting anything it checks the static rendezvous (``--master_addr`` / ``--master_port``, what
+launch/torchrun.sh and slurm.sbatch pass): a port outside 1-65535, a master address that does not
+resolve, or, on node rank 0 when the master is this machine, a port another process holds is one line
+and exit status 2 (torchrun would print a traceback or wait for a rendezvous that cannot happen).
 """
 
 from __future__ import annotations
 
+import errno
 import signal
+import socket
 import sys
 from typing import Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
+from torch.distributed.run import parse_args as torchrun_args
 
 
 def exit_status(exitcode: int) -> int:
@@ -31,8 +39,38 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def rendezvous_problem(argv: Optional[Sequence[str]]) -> Optional[str]:
+    """Why torchrun's static rendezvous of ``argv`` cannot work (None: it may)."""
+    args = torchrun_args(list(argv) if argv is not None else sys.argv[1:])
+    if args.standalone or args.rdzv_backend != "static":
+        return None  # torchrun chooses the port (standalone) or an external store holds the rendezvous
+    if not 0 < args.master_port < 65536:
+        return f"--master_port (MASTER_PORT) {args.master_port} is not a port: give one in 1-65535"
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(args.master_addr, args.master_port, type=socket.SOCK_STREAM)}
+    except socket.gaierror as err:
+        return f"--master_addr (MASTER_ADDR) {args.master_addr} does not resolve ({err.strerror}): give node 0's host name or address"
+    if args.node_rank != 0:
+        return None
+    for address in addresses:  # node 0 serves the store there: the port must be free on this machine
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address, args.master_port))
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    return (f"--master_port (MASTER_PORT) {args.master_port} is in use on {args.master_addr} (another job?): "
+                            "choose a free port")
+                # EADDRNOTAVAIL: the master address is another machine's; node 0 is expected to run there
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run torchrun with ``argv`` (default: the command line); returns the exit status."""
+    problem = rendezvous_problem(argv)
+    if problem:
+        print(f"[torchrun] error: {problem}", file=sys.stderr, flush=True)
+        return 2
     try:
         torchrun_main(list(argv) if argv is not None else None)
     except SignalException as err:

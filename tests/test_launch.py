@@ -176,6 +176,25 @@ def test_torchrun_sh_usage_and_bad_input():
         in proc.stderr
 
 
+def test_torchrun_py_refuses_a_rendezvous_that_cannot_work():
+    """A busy port on this machine, a port out of range and an unresolvable master: one line, exit 2,
+    before any worker starts (torchrun would print a traceback or wait)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags, message in ((["--master_port", str(port)], f"--master_port (MASTER_PORT) {port} is in use"),
+                               (["--master_port", "70000"], "70000 is not a port: give one in 1-65535"),
+                               (["--master_addr", "no-such-host.invalid", "--master_port", "29555"],
+                                "--master_addr (MASTER_ADDR) no-such-host.invalid does not resolve")):
+            proc = _run([sys.executable, "launch/torchrun.py", "--nproc_per_node", "1", *flags, "recipes/finetune.py"])
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            assert proc.stderr.strip().splitlines() == [f"[torchrun] error: {proc.stderr.split('error: ')[1].strip()}"]
+            assert message in proc.stderr, proc.stderr
+
+
 def test_torchrun_sh_starts_the_inference_entry_points():
     proc = _run(["launch/torchrun.sh", "--random-init", "--seq-length", "32", "--eval-iters", "1"],
                 env={"LLEP_ENTRY": "evaluate", "MASTER_PORT": _free_port()})
