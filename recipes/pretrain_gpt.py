@@ -232,7 +232,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _fail(str(err))
     reason = megatron_training.missing_reason()
     if reason is not None:
-        _fail(f"{reason}; install megatron-core >= 0.17 to pretrain with Megatron-LM's loop")
+        _fail(f"{reason}; Megatron-LM's loop needs megatron-core >= 0.17, which pip installs on Python 3.12 only: "
+              "on Python 3.11 run bash .ci/install_megatron_core.sh 0.19.2 in the environment (docs/compat.md)")
     if not torch.cuda.is_available():
         from megatron_llep.compat import megatron_training_cpu
 

@@ -322,3 +322,11 @@ def test_checkpoints_in_another_expert_order_are_refused(tmp_path):
     record_checkpoint_placement(_llep_flags("--save", str(empty), "--llep-placement", p))
     record_checkpoint_placement(_llep_flags("--save", str(empty)))
     assert not (empty / "expert_placement.json").exists()
+
+
+@pytest.mark.skipif(HAVE_MEGATRON_TRAINING, reason="only a megatron-core without megatron.training refuses")
+def test_without_megatron_training_the_refusal_says_how_to_install_it_here():
+    proc = subprocess.run([sys.executable, ENTRY, "--llep"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[pretrain_gpt] error:")]
+    assert len(lines) == 1 and "bash .ci/install_megatron_core.sh" in lines[0] and "Python 3.12" in lines[0], proc.stderr
