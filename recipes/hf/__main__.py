@@ -1,4 +1,6 @@
-"""Hugging Face checkpoints in and out of the fine-tuning recipes (run under torchrun, or as one process).
+"""Hugging Face checkpoints in and out of the fine-tuning recipes (run under torchrun; as one process
+only where the recipe runs at EP = 1: gpt-oss's expert biases need EP >= 2 with local experts, so
+its import is refused there with that reason).
 
 Import (HF -> a Megatron checkpoint in recipes/checkpointing.py's layout, iteration 0, that
 ``recipes/finetune.py --load OUT`` resumes from with the same recipe, layout and --seq-length)::
