@@ -246,6 +246,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"{PREFIX} CPU run (gloo): added {' '.join(cpu_argv[len(argv):])}", flush=True)
         argv = cpu_argv
     sys.argv = [sys.argv[0], *argv]
+    if "--wandb-project" in argv and "WANDB_MODE" not in os.environ:
+        # Megatron-LM's wandb.init goes online and fails without a key; the other entry points default to offline
+        os.environ["WANDB_MODE"] = "offline"
+        if _rank() == 0:
+            print(f"{PREFIX} wandb runs offline (sync later with wandb sync; WANDB_MODE=online to log live)", flush=True)
     try:
         megatron_training.check_dataset_helpers()
     except RuntimeError as err:

@@ -48,7 +48,9 @@ LLEP = ["--llep", "--llep-min-chunk-tokens", "1", "--no-llep-cost-aware"]
 
 
 def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", WANDB_SILENT="true", WANDB_MODE="offline")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_SILENT="true")
+    env.pop("WANDB_MODE", None)  # pretrain_gpt.py's own default (offline) is what the wandb run is read back from
+    return env
 
 
 def _free_port() -> str:
