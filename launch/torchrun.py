@@ -25,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 from torch.distributed.run import parse_args as torchrun_args
+from torch.distributed.run import parse_min_max_nnodes
 
 
 def exit_status(exitcode: int) -> int:
@@ -42,8 +43,12 @@ def _signal_name(number: int) -> str:
 def rendezvous_problem(argv: Optional[Sequence[str]]) -> Optional[str]:
     """Why torchrun's static rendezvous of ``argv`` cannot work (None: it may)."""
     args = torchrun_args(list(argv) if argv is not None else sys.argv[1:])
-    if args.standalone or args.rdzv_backend != "static":
+    if args.standalone or args.rdzv_backend != "static" or args.rdzv_endpoint:
         return None  # torchrun chooses the port (standalone) or an external store holds the rendezvous
+    if args.master_port is None:
+        if parse_min_max_nnodes(args.nnodes)[1] == 1:
+            return None  # one node without a port: torchrun picks a free one
+        args.master_port = 29500  # torchrun's default
     if not 0 < args.master_port < 65536:
         return f"--master_port (MASTER_PORT) {args.master_port} is not a port: give one in 1-65535"
     try:

@@ -356,6 +356,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     rank, world, device = ENTRY.start(args.watchdog_timeout)
     is_logger = rank == world - 1  # holds the last pipeline stage (and its loss)
+    if args.save:  # one run per save directory (recipes/save_lock.py): rank 0 holds it, every rank learns
+        from recipes import save_lock
+
+        problem = [None]
+        if rank == 0:
+            try:
+                save_lock.acquire(args.save, ENTRY.say)
+            except (save_lock.SaveDirectoryInUse, OSError) as err:
+                problem[0] = str(err)
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            ENTRY.fail(ConfigError(problem[0]), rank)
     try:
         resume_from = checkpointing.find_checkpoint(args.load, args.checkpoint_verify, allow_none=bool(
             args.save and os.path.realpath(args.load) == os.path.realpath(args.save))) if args.load else None

@@ -246,6 +246,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"{PREFIX} CPU run (gloo): added {' '.join(cpu_argv[len(argv):])}", flush=True)
         argv = cpu_argv
     sys.argv = [sys.argv[0], *argv]
+    if "--save" in argv[:-1] and _rank() == 0:  # one run per save directory, as in fine-tuning
+        from recipes import save_lock
+
+        try:
+            save_lock.acquire(argv[argv.index("--save") + 1], lambda message: print(f"{PREFIX} {message}", flush=True))
+        except (save_lock.SaveDirectoryInUse, OSError) as err:
+            _fail(str(err))
     if "--wandb-project" in argv and "WANDB_MODE" not in os.environ:
         # Megatron-LM's wandb.init goes online and fails without a key; the other entry points default to offline
         os.environ["WANDB_MODE"] = "offline"

@@ -193,6 +193,11 @@ def test_torchrun_py_refuses_a_rendezvous_that_cannot_work():
             assert proc.returncode == 2, proc.stderr[-2000:]
             assert proc.stderr.strip().splitlines() == [f"[torchrun] error: {proc.stderr.split('error: ')[1].strip()}"]
             assert message in proc.stderr, proc.stderr
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from torchrun import rendezvous_problem  # no port on one node: torchrun picks a free one (README's command)
+
+    assert rendezvous_problem(["--nproc_per_node", "2", "recipes/finetune.py"]) is None
+    assert "does not resolve" in rendezvous_problem(["--nnodes", "2", "--master_addr", "no-such-host.invalid", "x.py"])
 
 
 def test_torchrun_sh_starts_the_inference_entry_points():
