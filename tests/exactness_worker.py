@@ -14,8 +14,8 @@ import torch.distributed as dist
 from megatron_llep.config import LLEPConfig
 from megatron_llep.scenarios import force_routing, imbalanced_topk
 from megatron_llep.testing import grouped_gemm_cpu
-from megatron_llep.testing.moe import (build_moe_layer, expert_weights, init_expert_parallel, moe_config,
-                                       send_a_neighbouring_expert)
+from megatron_llep.testing.moe import (build_moe_layer, expert_weights, gathered_expert_weights, init_expert_parallel,
+                                       moe_config, send_a_neighbouring_expert)
 from megatron_llep.testing.reference import dense_moe_reference, expert_forward_reference
 from megatron_llep.weight_exchange import ExpertWeightExchange
 
@@ -67,16 +67,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _gather_experts(layer, world: int) -> list[dict]:
+def _gather_experts(layer) -> list[dict]:
     """Every expert's weights (float64 leaves), gathered from their native ranks."""
-    local = expert_weights(layer)
-    experts: list[dict] = [dict() for _ in range(layer.config.num_moe_experts)]
-    for key in local[0]:
-        mine = torch.stack([weights[key].detach().contiguous() for weights in local])
-        out = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(out, mine)
-        for e, tensor in enumerate(t for block in out for t in block):
-            experts[e][key] = tensor.double().clone().requires_grad_()
+    experts = [{key: tensor.double().requires_grad_() for key, tensor in weights.items()}
+               for weights in gathered_expert_weights(layer)]
     for weights in experts:
         for key in ("fc1_bias", "fc2_bias"):
             weights.setdefault(key, None)
@@ -159,7 +153,7 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     stats = llep.token_dispatcher.last_stats
 
     # float64 dense reference with autograd; expert gradients summed over all ranks' tokens
-    experts = _gather_experts(stock, world)
+    experts = _gather_experts(stock)
     x64 = x.view(tokens, -1).double().requires_grad_()
     w64 = stock.router.weight.detach().double().requires_grad_()
     b64 = None if stock.router.bias is None else stock.router.bias.detach().double()
@@ -244,7 +238,7 @@ def bf16_main_grad_errors(rank: int, world: int) -> dict:
     x = torch.randn(tokens, 1, 32, generator=gen).to(torch.bfloat16)
     dy = torch.randn(tokens, 1, 32, generator=gen).to(torch.bfloat16)
     ids = _expert_ids(case, rank, tokens)
-    experts = _gather_experts(stock, world)
+    experts = _gather_experts(stock)
     x64 = x.view(tokens, -1).double()
     w64 = stock.router.weight.detach().double()
     y64 = dense_moe_reference(x64, w64, None, torch.as_tensor(ids), experts, cfg)

@@ -23,7 +23,7 @@ from megatron_llep.placement.placement import ExpertPlacement, read_checkpoint_p
 from megatron_llep.placement.recorder import RoutingTraceRecorder
 from megatron_llep.scenarios import force_routing, imbalanced_topk
 from megatron_llep.testing import grouped_gemm_cpu
-from megatron_llep.testing.moe import build_moe_layer, expert_weights, init_expert_parallel, moe_config
+from megatron_llep.testing.moe import build_moe_layer, gathered_expert_weights, init_expert_parallel, moe_config
 
 NUM_EXPERTS, HIDDEN, FFN, TOKENS = 8, 16, 12, 24
 # moves experts across the two EP ranks (rank 0 owns slots 0..3)
@@ -78,16 +78,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _all_experts(layer, grads: bool) -> list[dict[str, torch.Tensor]]:
     """Every physical slot's expert tensors (or grads), gathered over the EP group."""
-    local = expert_weights(layer, grads=grads)
-    world = dist.get_world_size()
-    slots: list[dict] = [dict() for _ in range(NUM_EXPERTS)]
-    for key in local[0]:
-        mine = torch.stack([w[key].detach().contiguous() for w in local])
-        out = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(out, mine)
-        for s, tensor in enumerate(t for block in out for t in block):
-            slots[s][key] = tensor.clone()
-    return slots
+    return gathered_expert_weights(layer, grads=grads)
 
 
 def _snapshot(layer) -> dict[str, torch.Tensor]:

@@ -120,19 +120,10 @@ DASHBOARD_CASE = "devices_p0.5_cross_node"
 
 def _all_experts(layer) -> list[dict]:
     """Every expert's weights in float64, gathered from their native ranks."""
-    import torch.distributed as dist
+    from megatron_llep.testing.moe import gathered_expert_weights
 
-    from megatron_llep.testing.moe import expert_weights
-
-    local = expert_weights(layer)
-    experts: list[dict] = [dict(fc1_bias=None, fc2_bias=None) for _ in range(NUM_EXPERTS)]
-    for key in local[0]:
-        mine = torch.stack([w[key].detach().contiguous() for w in local])
-        parts = [torch.empty_like(mine) for _ in range(WORLD)]
-        dist.all_gather(parts, mine)
-        for e, tensor in enumerate(t for part in parts for t in part):
-            experts[e][key] = tensor.double()
-    return experts
+    return [dict(fc1_bias=None, fc2_bias=None, **{key: tensor.double() for key, tensor in weights.items()})
+            for weights in gathered_expert_weights(layer)]
 
 
 def _reference(x64: torch.Tensor, kept: list[dict], experts: list[dict], config) -> torch.Tensor:

@@ -130,6 +130,22 @@ def expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[str, torch
     return [{names[n]: pick(p) for n, p in e.named_parameters()} for e in experts.local_experts]
 
 
+def gathered_expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[str, torch.Tensor]]:
+    """:func:`expert_weights` of every physical slot (copies), gathered from their native ranks over
+    the default process group (the tests' EP group)."""
+    import torch.distributed as dist
+
+    local = expert_weights(layer, grads=grads)
+    slots: list[dict[str, torch.Tensor]] = [dict() for _ in range(layer.config.num_moe_experts)]
+    for key in local[0]:
+        mine = torch.stack([weights[key].detach().contiguous() for weights in local])
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, mine)
+        for slot, tensor in enumerate(t for block in out for t in block):
+            slots[slot][key] = tensor.clone()
+    return slots
+
+
 @contextlib.contextmanager
 def send_a_neighbouring_expert() -> Iterator[None]:
     """Negative control for parity tests: every native rank sends the weights of the expert next to
