@@ -91,6 +91,21 @@ def check_args(args: argparse.Namespace) -> None:
                                  "(build one with recipes/make_indexed_dataset.py)")
 
 
+def unfuse_expert_activation(args: argparse.Namespace) -> Optional[str]:
+    """Turn off Megatron's bias-activation fusion where its expert MLP cannot run it, and say so.
+
+    Megatron-Core's MLP scales an expert's activation by the router probabilities inside the fused
+    kernel only for swiglu and quick-geglu; with the default gelu (``--bias-gelu-fusion`` is on unless
+    ``--no-bias-gelu-fusion`` or ``--disable-bias-linear``) every MoE model fails in its first step
+    ("Only support fusion of swiglu and quick_gelu with per_token_scale in MLP")."""
+    fused_gated = args.swiglu or getattr(args, "quick_geglu", False)
+    if not args.num_experts or fused_gated or not args.bias_gelu_fusion:
+        return None
+    args.bias_gelu_fusion = False
+    return ("Megatron-Core's expert MLP fuses only swiglu and quick-geglu with the router probabilities: "
+            "running the activation unfused (--no-bias-gelu-fusion; exact gelu instead of the fused tanh form)")
+
+
 def is_dataset_built_on_rank(vp_stage: Optional[int] = None) -> bool:
     """Every rank of the first and last pipeline stages reads its own batches (tensor-parallel ranks
     of one data-parallel rank read the same samples), so no batch broadcast is needed."""
@@ -284,6 +299,9 @@ def _check_parsed_args(args: argparse.Namespace) -> None:
         check_args(args)
     except ValueError as err:
         _fail(str(err))
+    fusion_note = unfuse_expert_activation(args)
+    if fusion_note and _rank() == 0:
+        print(f"{PREFIX} note: {fusion_note}", flush=True)
     if _rank() == 0:
         megatron_lm.record_checkpoint_placement(args)
     note = megatron_lm.note_when_idle(args)

@@ -283,7 +283,7 @@ def test_sbatch_header_fits_any_node_and_logs_into_ignored_logs_dir():
     assert header["ntasks-per-node"] == "1" and header["nodes"] == "1"
     assert header["output"] == "logs/%x-%j.log" and os.path.isdir(os.path.join(ROOT, "logs"))
     if shutil.which("git") and os.path.isdir(os.path.join(ROOT, ".git")):
-        ignored = subprocess.run(["git", "check-ignore", "-q", "logs/llep-finetune-1.log"], cwd=ROOT)
+        ignored = subprocess.run(["git", "check-ignore", "-q", "logs/llep-1.log"], cwd=ROOT)
         kept = subprocess.run(["git", "check-ignore", "-q", "logs/.gitkeep"], cwd=ROOT)
         assert ignored.returncode == 0 and kept.returncode == 1
 

@@ -332,3 +332,20 @@ def test_without_megatron_training_the_refusal_says_how_to_install_it_here():
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.startswith("[pretrain_gpt] error:")]
     assert len(lines) == 1 and "bash .ci/install_megatron_core.sh" in lines[0] and "Python 3.12" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("flags, unfused", [
+    (dict(swiglu=False, quick_geglu=False, bias_gelu_fusion=True, num_experts=8), True),  # docs/pretrain.md's model
+    (dict(swiglu=True, quick_geglu=False, bias_gelu_fusion=True, num_experts=8), False),
+    (dict(swiglu=False, quick_geglu=True, bias_gelu_fusion=True, num_experts=8), False),
+    (dict(swiglu=False, quick_geglu=False, bias_gelu_fusion=False, num_experts=8), False),
+    (dict(swiglu=False, quick_geglu=False, bias_gelu_fusion=True, num_experts=None), False),  # dense: fusion kept
+])
+def test_gelu_experts_run_unfused_where_megatron_cannot_fuse_them(flags, unfused):
+    """Megatron-Core's expert MLP raises in the first step for a fused gelu with router probabilities
+    (tests/test_docs_commands.py runs docs/pretrain.md's gelu model end to end)."""
+    from recipes.pretrain_gpt import unfuse_expert_activation
+
+    args = argparse.Namespace(**flags)
+    note = unfuse_expert_activation(args)
+    assert (note is not None) == unfused and args.bias_gelu_fusion == (flags["bias_gelu_fusion"] and not unfused)
