@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -113,15 +112,12 @@ class Harness:
             layer.llep_config = layer.token_dispatcher.llep_config = config
 
     def windows(self, domain: str, max_tokens: int):
-        from recipes import data as sft_data
-        from recipes import evaluate, finetune
+        from recipes import evaluate
 
         prefix = os.path.join(self.bench.corpus, "indexed", f"{domain}_{self.bench.split}_text_document")
         documents = evaluate.read_indexed_documents(prefix, max_tokens + 1)
-        dataset = sft_data.PackedSFTDataset(documents, self.bench.seq_length, seed=finetune.VALID_PACKING_SEED)
-        global_batch = self.layout["global_batch"]
-        count = min(dataset.num_windows, max_tokens // self.bench.seq_length)
-        batches = -(-count // global_batch)
+        dataset = evaluate.pack_windows(documents, self.bench.seq_length)
+        count, batches = evaluate.window_count(dataset, max_tokens // self.bench.seq_length, self.layout["global_batch"])
         return evaluate.EvaluatedWindows(dataset, count), batches
 
     def evaluate(self, windows, batches: int) -> tuple[float, dict, float]:

@@ -22,11 +22,9 @@ first. ``--placement`` is refused (this command makes one).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
-from functools import partial
 from typing import Any, Optional, Sequence
 
 import torch
@@ -39,7 +37,7 @@ from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns at import time
 
 from megatron_llep.writable import creation_problem  # noqa: E402
-from recipes import evaluate, model_building, model_sources  # noqa: E402
+from recipes import evaluate, model_building  # noqa: E402
 from recipes.entry_point import EntryPoint, check_writable_directories  # noqa: E402
 
 ENTRY = EntryPoint("cap_pipeline")
@@ -93,15 +91,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from recipes import data as sft_data
 
     started = time.perf_counter()
-    rank, world, device = ENTRY.start(args.watchdog_timeout)
-    source = model_sources.open_source(args, ENTRY, rank)
-    ENTRY.progress(rank, f"reading {args.data}")
-    try:
-        samples, vocab_needed, described = evaluate.read_data(args, world)
-        dataset = sft_data.PackedSFTDataset(samples, args.seq_length, seed=finetune.VALID_PACKING_SEED)
-    except sft_data.DataError as err:
-        ENTRY.fail(err if str(err).startswith("--data") else sft_data.DataError(f"--data {args.data}: {err}"), rank)
-    recipe, model, layout = model_sources.build(args, source, ENTRY, rank, world, device, vocab_needed)
+    run = evaluate.prepare(args, ENTRY)
+    rank, world, source, recipe, model, layout = run.rank, run.world, run.source, run.recipe, run.model, run.layout
     saved = read_checkpoint_placement(source.checkpoint) if source.checkpoint else None
     if saved is not None:  # traces and the new placement are in the experts' original ids
         restore_original_order(model, saved)
@@ -109,22 +100,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if layout["ep"] < 2:
         ENTRY.fail(model_building.ConfigError(f"EP = {layout['ep']}: a placement needs 2+ expert-parallel ranks "
                                               "(run on more ranks or set --expert-model-parallel-size)"), rank)
-    global_batch = layout["global_batch"]
-    count = min(dataset.num_windows, evaluate.windows_wanted(args, global_batch) or dataset.num_windows)
-    batches = math.ceil(count / global_batch)
-    windows = evaluate.EvaluatedWindows(dataset, count)
+    global_batch, count, batches, windows, step = layout["global_batch"], run.count, run.batches, run.windows, run.step
     layers = model_building.moe_layers(model)
     pruning = layers[0].llep_config.pruning if layers and hasattr(layers[0], "llep_config") else None
-    step_state = {"microbatch": 0}
-    step = partial(finetune.forward_step, device, layers, args, recipe.config, step_state)
     forward_backward = get_forward_backward_func()
 
     # 1. routing traces, as the model will be served (pruning included)
     ENTRY.progress(rank, f"step 1/3: recording routing traces over {count} windows of {args.seq_length} tokens in "
-                         f"{described}{'' if pruning is None else f', routing pruning p = {pruning.p:g} ({pruning.method})'}")
+                         f"{run.described}{'' if pruning is None else f', routing pruning p = {pruning.p:g} ({pruning.method})'}")
     recorder = RoutingTraceRecorder(model, max_tokens_per_layer=args.trace_tokens_per_layer, seed=args.seed + rank).start()
     load_meter = dashboard.MoELoadMeter(model)
-    loss, _, moe_metrics = finetune.evaluate(model, forward_backward, step, step_state, windows, batches, args, layout,
+    loss, _, moe_metrics = finetune.evaluate(model, forward_backward, step, run.step_state, windows, batches, args, layout,
                                              source.iteration, load_meter)
     recorder.stop()
     local = recorder.trace()

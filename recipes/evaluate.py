@@ -27,8 +27,9 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns
 from recipes import data as sft_data  # noqa: E402
 from recipes import finetune, model_building, model_sources  # noqa: E402
 from recipes.entry_point import EntryPoint, RankZeroArgumentParser, check_existing_files  # noqa: E402
+from recipes.model_sources import ModelSource  # noqa: E402
 
 ENTRY = EntryPoint("evaluate")
 POSITIVE = ("seq_length", "micro_batch_size", "eval_iters", "max_tokens")
@@ -137,6 +139,17 @@ def windows_wanted(args: argparse.Namespace, global_batch: int) -> Optional[int]
     return min(limits) if limits else None
 
 
+def pack_windows(samples: list[tuple[np.ndarray, np.ndarray]], seq_length: int) -> sft_data.PackedSFTDataset:
+    """``samples`` packed into windows as finetune.py packs ``--valid-data`` (a fixed order)."""
+    return sft_data.PackedSFTDataset(samples, seq_length, seed=finetune.VALID_PACKING_SEED)
+
+
+def window_count(dataset: sft_data.PackedSFTDataset, wanted: Optional[int], global_batch: int) -> tuple[int, int]:
+    """How many windows are evaluated (all, or at most ``wanted``) and the global batches they take."""
+    count = min(dataset.num_windows, wanted or dataset.num_windows)
+    return count, math.ceil(count / global_batch)
+
+
 def read_data(args: argparse.Namespace, world: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, str]:
     """The samples of ``--data``, the ids the model must know (vocabulary size needed) and what was read."""
     if args.data_format == "jsonl":
@@ -149,6 +162,52 @@ def read_data(args: argparse.Namespace, world: int) -> tuple[list[tuple[np.ndarr
     return samples, 1 + max(int(ids.max()) for ids, _ in samples), f"the indexed dataset {args.data}"
 
 
+@dataclass
+class Evaluation:
+    """A started rank with its model and the windows of ``--data`` it evaluates: what evaluate.py and
+    cap_pipeline.py (which traces routing over the same windows) both begin with."""
+
+    rank: int
+    world: int
+    device: torch.device
+    source: ModelSource
+    recipe: Any
+    model: torch.nn.Module
+    layout: dict[str, int]
+    described: str
+    dataset: sft_data.PackedSFTDataset
+    count: int
+    batches: int
+    step_state: dict[str, int]
+    step: Callable
+
+    @property
+    def windows(self) -> EvaluatedWindows:
+        return EvaluatedWindows(self.dataset, self.count)
+
+
+def prepare(args: argparse.Namespace, entry: EntryPoint) -> Evaluation:
+    """Start the rank, open the model source, read and pack ``--data``, build the model; a bad file
+    or source ends the run in one line (``entry.fail``)."""
+    rank, world, device = entry.start(args.watchdog_timeout)
+    source = model_sources.open_source(args, entry, rank)
+    entry.progress(rank, f"reading {args.data}")
+    try:
+        samples, vocab_needed, described = read_data(args, world)
+    except sft_data.DataError as err:  # names the file (and line)
+        entry.fail(err, rank)
+    try:
+        dataset = pack_windows(samples, args.seq_length)
+    except sft_data.DataError as err:  # too short for one window
+        entry.fail(sft_data.DataError(f"--data {args.data}: {err}"), rank)
+    recipe, model, layout = model_sources.build(args, source, entry, rank, world, device, vocab_needed)
+    count, batches = window_count(dataset, windows_wanted(args, layout["global_batch"]), layout["global_batch"])
+    step_state = {"microbatch": 0}  # forced routing: seeds by micro-batch, as finetune.py's validation
+    step = partial(finetune.forward_step, device, model_building.moe_layers(model), args, recipe.config, step_state)
+    return Evaluation(rank, world, device, source, recipe, model, layout, described, dataset, count, batches,
+                      step_state, step)
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the evaluation; returns the result (the JSON written by ``--output``) on every rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -156,39 +215,25 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from recipes import dashboard, watchdog
 
     started = time.perf_counter()
-    rank, world, device = ENTRY.start(args.watchdog_timeout)
-    source = model_sources.open_source(args, ENTRY, rank)
-    ENTRY.progress(rank, f"reading {args.data}")
-    try:
-        samples, vocab_needed, described = read_data(args, world)
-    except sft_data.DataError as err:  # names the file (and line)
-        ENTRY.fail(err, rank)
-    try:
-        dataset = sft_data.PackedSFTDataset(samples, args.seq_length, seed=finetune.VALID_PACKING_SEED)
-    except sft_data.DataError as err:  # too short for one window
-        ENTRY.fail(sft_data.DataError(f"--data {args.data}: {err}"), rank)
-    recipe, model, layout = model_sources.build(args, source, ENTRY, rank, world, device, vocab_needed)
-    global_batch = layout["global_batch"]
-    count = min(dataset.num_windows, windows_wanted(args, global_batch) or dataset.num_windows)
-    batches = math.ceil(count / global_batch)
+    run = prepare(args, ENTRY)
+    rank, world, device, source, recipe, model, layout = (run.rank, run.world, run.device, run.source, run.recipe,
+                                                          run.model, run.layout)
+    count, batches, global_batch = run.count, run.batches, layout["global_batch"]
     recorder = model_building.start_routing_trace(model, args, rank)
     load_meter = dashboard.MoELoadMeter(model)
     ENTRY.say(f"{recipe.name} on {world} {device.type} ranks: TP={layout['tp']} PP={layout['pp']} EP={layout['ep']} "
               f"DP={layout['dp']}, {'LLEP' if args.llep else 'plain EP'}; evaluating {count} of the "
-              f"{dataset.num_windows} windows of {args.seq_length} tokens in {described}: {batches} global batch(es) "
+              f"{run.dataset.num_windows} windows of {args.seq_length} tokens in {run.described}: {batches} global batch(es) "
               f"of {args.micro_batch_size} x DP {layout['dp']}")
     if args.force_routing:
         ENTRY.say(f"forcing routing: {args.force_routing[0]:.0%} of tokens into {args.force_routing[1]} hot expert(s)")
 
     watchdog.progress("evaluating")
-    step_state = {"microbatch": 0}  # forced routing: seeds by micro-batch, as finetune.py's validation
-    step = partial(finetune.forward_step, device, model_building.moe_layers(model), args, recipe.config, step_state)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    loss, loss_tokens, moe_metrics = finetune.evaluate(model, get_forward_backward_func(), step, step_state,
-                                                       EvaluatedWindows(dataset, count), batches, args, layout,
-                                                       source.iteration, load_meter)
+    loss, loss_tokens, moe_metrics = finetune.evaluate(model, get_forward_backward_func(), run.step, run.step_state,
+                                                       run.windows, batches, args, layout, source.iteration, load_meter)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
