@@ -13,6 +13,7 @@ import pytest
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError
 from megatron_llep.cost_model import CostModel, ExpertShape
+from megatron_llep.metrics import LLEPStatsTracker, LLEPStepStats, budget_phrase, merge_layer_statistic
 from megatron_llep.planner import InfeasibleBudgetError, plan_llep, rank_loads
 
 SHAPE = ExpertShape(hidden_size=64, ffn_hidden_size=64, bias=True)
@@ -195,3 +196,39 @@ def test_config_refuses_a_budget_outside_its_domain(value):
     assert "must be a positive integer, or None for no budget" in err.value.for_flag("--llep-max-tokens-per-rank")
     assert LLEPConfig(max_tokens_per_rank=1).max_tokens_per_rank == 1 and LLEPConfig().max_tokens_per_rank is None
 
+
+def test_statistics_show_the_most_rows_against_the_budget():
+    counts = np.zeros((2, 4), np.int64)
+    counts[:, 0] = 50
+    plan = plan_llep(counts, LLEPConfig(min_chunk_tokens=0, cost_aware=False, max_tokens_per_rank=60))
+    stats = LLEPStepStats.from_plan(plan, 2, 10, 0.0)
+    assert stats.max_rank_rows == 50 and stats.budget_rows == 60
+    assert stats.scalars()["max_rank_rows"] == 50.0 and stats.scalars()["budget_rows"] == 60.0
+    free = LLEPStepStats.from_plan(plan_llep(counts, LLEPConfig(min_chunk_tokens=1000, cost_aware=False)), 2, 10, 0.0)
+    assert free.max_rank_rows == 100 and free.budget_rows is None and "budget_rows" not in free.scalars()
+    tracker = LLEPStatsTracker()
+    tracker.record(stats)
+    tracker.record(LLEPStepStats.from_plan(
+        plan_llep(np.full((2, 4), 5, np.int64), LLEPConfig(cost_aware=False, max_tokens_per_rank=60)), 2, 10, 0.0))
+    layer = tracker.drain_by_layer()[2]
+    assert layer["max_rank_rows"] == 50.0 and layer["budget_rows"] == 60.0  # the maximum over micro-batches
+    # ranks merge by maximum, the other statistics by mean
+    assert merge_layer_statistic("max_rank_rows", [50.0, 58.0]) == 58.0
+    assert merge_layer_statistic("max_mean_after", [1.0, 2.0]) == 1.5
+    metrics = {"moe/layer_1/max_rank_rows": 58.0, "moe/layer_1/budget_rows": 60.0,
+               "moe/layer_2/max_rank_rows": 41.0, "moe/layer_2/budget_rows": 60.0}
+    assert budget_phrase(metrics) == "rows/rank max 58 of budget 60"
+    assert budget_phrase({"moe/layer_1/max_rank_rows": 58.0}) == ""
+
+
+def test_log_lines_show_the_rows_against_the_budget():
+    from megatron_llep.megatron_lm import summary_line
+    from recipes.dashboard import llep_summary
+
+    metrics = {"moe/layer_1/llep_active": 1.0, "moe/layer_1/max_mean_before": 2.0, "moe/layer_1/max_mean_after": 1.0,
+               "moe/layer_1/spilled_tokens": 50.0, "moe/layer_1/weight_bytes": 1024.0, "moe/layer_1/plan_time_ms": 0.1,
+               "moe/layer_1/max_rank_rows": 50.0}
+    assert "budget" not in llep_summary(metrics) and "budget" not in summary_line(metrics)
+    metrics["moe/layer_1/budget_rows"] = 60.0
+    assert llep_summary(metrics).endswith(", rows/rank max 50 of budget 60")
+    assert summary_line(metrics).endswith(" rows/rank max 50 of budget 60 |")
