@@ -61,6 +61,11 @@ def add_llep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="--no-llep-enabled keeps LLEPMoELayer but runs plain EP (A/B runs)")
     group.add_argument("--llep-record-stats", action=argparse.BooleanOptionalAction, default=defaults.record_stats,
                        help="log per-layer LLEP statistics at --log-interval")
+    group.add_argument("--llep-max-tokens-per-rank", type=int, default=defaults.max_tokens_per_rank, metavar="ROWS",
+                       help="hard budget of token-expert rows each EP rank computes per MoE layer and micro-batch: "
+                            "LLEP spills (even below lambda, in chunks under m) to keep every rank within it, and "
+                            "a micro-batch routing more than EP x ROWS rows stops with an error naming the layer "
+                            "(default: no budget)")
     group.add_argument("--llep-placement", default=None, metavar="PATH",
                        help="CAP expert placement (python -m megatron_llep.placement plan ...), applied before "
                             "training; a checkpoint holds the experts in this placement's order")
@@ -82,6 +87,7 @@ def llep_config_from_args(args: argparse.Namespace) -> LLEPConfig:
             cost_model=CostModel() if cost_model == "h200" else CostModel.cpu(),
             enabled=args.llep_enabled,
             record_stats=args.llep_record_stats,
+            max_tokens_per_rank=args.llep_max_tokens_per_rank,
         )
     except LLEPConfigError as err:  # every flag is named --llep-<field>
         raise ValueError(err.for_flag(f"--llep-{err.knob.replace('_', '-')}")) from None
