@@ -4,6 +4,7 @@ dense MoE, on the same weights, inputs and routing. Imported by spawned gloo pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -217,6 +218,31 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     errs["separate_weight_group"] = weight_group is not llep.token_dispatcher.ep_group and (
         dist.get_process_group_ranks(weight_group) == dist.get_process_group_ranks(llep.token_dispatcher.ep_group))
     return errs
+
+
+def infeasible_budget(rank: int, world: int) -> dict:
+    """An LLEP layer whose step routes more rows than EP x max_tokens_per_rank: what each rank
+    raises, then one all-reduce of all ranks (it completes only if no rank was left inside a
+    collective of the layer)."""
+    from megatron_llep.planner import InfeasibleBudgetError
+
+    init_expert_parallel(world)
+    case = Case("infeasible_budget", "hot")
+    tokens = 24
+    budget = _row_budget(dataclasses.replace(case, budget_over_mean=-1), world)  # one row short of the mean
+    cfg = moe_config(case.num_experts, case.hidden, case.ffn, case.topk, world)
+    layer = build_moe_layer(cfg, LLEPConfig(min_chunk_tokens=2, cost_aware=False, max_tokens_per_rank=budget), seed=7)
+    force_routing(layer.router, _expert_ids(case, rank, tokens))
+    result = {"budget": budget}
+    try:
+        layer(torch.randn(tokens, 1, case.hidden))
+        result["error"] = None
+    except InfeasibleBudgetError as err:
+        result.update(error=str(err), layer_number=err.layer_number, total_rows=err.total_rows)
+    done = torch.ones(1)
+    dist.all_reduce(done)
+    result["all_reduce"] = float(done.item())
+    return result
 
 
 def run_cases(rank: int, world: int, cases: list) -> dict:

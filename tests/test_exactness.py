@@ -5,7 +5,7 @@ weight grad are compared."""
 
 import pytest
 
-from exactness_worker import Case, run_cases
+from exactness_worker import Case, infeasible_budget, run_cases
 from megatron_llep.compat import mcore
 from megatron_llep.testing.distributed import run_distributed
 
@@ -123,6 +123,19 @@ def test_a_row_budget_keeps_llep_equal_to_plain_ep(budget_results, case):
             assert r[key] <= 1e-5, f"rank {rank}: {key} = {r[key]:.3g}"
         for key in ("out_vs_ref", "dx_vs_ref", "router_vs_ref", "experts_vs_ref"):
             assert r[key] <= 2e-5, f"rank {rank}: {key} = {r[key]:.3g}"
+
+
+def test_an_infeasible_budget_stops_every_rank_with_one_error():
+    """More rows than EP x budget: every rank raises the same error naming the numbers and the layer
+    before the token all-to-all, and all ranks then meet in one all-reduce (none hangs in the layer)."""
+    results = run_distributed(infeasible_budget, 2, timeout_s=300)
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1 and None not in messages, messages
+    message = messages.pop()
+    assert all(r["layer_number"] == 1 and r["total_rows"] == 96 for r in results)
+    budget = results[0]["budget"]
+    assert budget == 47 and "MoE layer 1: 96 token-expert rows over 2 EP ranks exceed 2 x max_tokens_per_rank 47" in message
+    assert all(r["all_reduce"] == 2.0 for r in results)
 
 
 def test_weights_travel_on_their_own_communicator_over_the_ep_ranks(ep_results):
