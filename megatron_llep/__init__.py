@@ -6,13 +6,14 @@ group; :class:`LLEPMoELayer` and :func:`with_llep` put LLEP into a Megatron mode
 
 from megatron_llep.config import LLEPConfig, RoutingPruning
 from megatron_llep.cost_model import CostModel, ExpertShape
-from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
+from megatron_llep.planner import InfeasibleBudgetError, LLEPPlan, RankPlan, plan_llep
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CostModel",
     "ExpertShape",
+    "InfeasibleBudgetError",
     "LLEPConfig",
     "LLEPMoELayer",
     "LLEPPlan",

@@ -77,6 +77,13 @@ class LLEPConfig:
         record_stats: keep per-layer step statistics for logging.
         pruning: prune each token's routing before dispatch (:class:`RoutingPruning`; inference
             only, lossy); ``None`` (default) leaves the routing alone.
+        max_tokens_per_rank: a hard budget of token-expert rows each EP rank receives to compute
+            in one step of one MoE layer, whatever the routing: the plan spills even below
+            ``lambda`` and in chunks smaller than ``m`` when that is what keeps every rank within
+            it, and a step whose rows cannot fit (more than ``P x budget``) raises
+            :class:`~megatron_llep.planner.InfeasibleBudgetError` on every EP rank before the
+            dispatch. ``None`` (default): no budget. Not applied where no plan is made (EP = 1,
+            ``enabled=False``).
     """
 
     alpha: float = 1.0
@@ -88,6 +95,7 @@ class LLEPConfig:
     enabled: bool = True
     record_stats: bool = True
     pruning: Optional[RoutingPruning] = None
+    max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         number = _finite_number
@@ -103,6 +111,10 @@ class LLEPConfig:
             not isinstance(self.ranks_per_node, int) or isinstance(self.ranks_per_node, bool) or self.ranks_per_node <= 0
         ):
             raise LLEPConfigError("ranks_per_node", "must be a positive integer (or None: one node)", self.ranks_per_node)
+        budget = self.max_tokens_per_rank
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            raise LLEPConfigError("max_tokens_per_rank", "(the token-expert rows an EP rank may receive per layer "
+                                  "step) must be a positive integer, or None for no budget", budget)
         if not isinstance(self.cost_model, CostModel):
             raise TypeError(f"LLEPConfig.cost_model must be a CostModel, got {type(self.cost_model).__name__}")
         if self.pruning is not None and not isinstance(self.pruning, RoutingPruning):

@@ -320,7 +320,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def _plan_step(self, counts: np.ndarray, device: torch.device) -> "_StepPlan":
         start = time.perf_counter()
-        plan = plan_llep(counts, self.llep_config, self.expert_shape)
+        plan = plan_llep(counts, self.llep_config, self.expert_shape, self.layer_number)
         plan_time = time.perf_counter() - start
         if self.llep_config.record_stats:
             self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)

@@ -29,12 +29,11 @@ import os
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import torch
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError
 from megatron_llep.cost_model import CostModel
-from megatron_llep.metrics import STATS
+from megatron_llep.metrics import STATS, budget_phrase, merge_layer_statistic
 
 LOG_PREFIX = "moe/layer_"
 """Writer keys are ``moe/layer_<n>/<statistic>`` (as recipes/dashboard.py's)."""
@@ -62,6 +61,11 @@ def add_llep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="--no-llep-enabled keeps LLEPMoELayer but runs plain EP (A/B runs)")
     group.add_argument("--llep-record-stats", action=argparse.BooleanOptionalAction, default=defaults.record_stats,
                        help="log per-layer LLEP statistics at --log-interval")
+    group.add_argument("--llep-max-tokens-per-rank", type=int, default=defaults.max_tokens_per_rank, metavar="ROWS",
+                       help="hard budget of token-expert rows each EP rank computes per MoE layer and micro-batch: "
+                            "LLEP spills (even below lambda, in chunks under m) to keep every rank within it, and "
+                            "a micro-batch routing more than EP x ROWS rows stops with an error naming the layer "
+                            "(default: no budget)")
     group.add_argument("--llep-placement", default=None, metavar="PATH",
                        help="CAP expert placement (python -m megatron_llep.placement plan ...), applied before "
                             "training; a checkpoint holds the experts in this placement's order")
@@ -83,6 +87,7 @@ def llep_config_from_args(args: argparse.Namespace) -> LLEPConfig:
             cost_model=CostModel() if cost_model == "h200" else CostModel.cpu(),
             enabled=args.llep_enabled,
             record_stats=args.llep_record_stats,
+            max_tokens_per_rank=args.llep_max_tokens_per_rank,
         )
     except LLEPConfigError as err:  # every flag is named --llep-<field>
         raise ValueError(err.for_flag(f"--llep-{err.knob.replace('_', '-')}")) from None
@@ -281,7 +286,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 def layer_statistics() -> dict[str, float]:
     """Collective over the world group: this interval's LLEP statistics of every rank, merged per
     layer (token and byte counts summed over micro-batches, ratios averaged; then averaged over the
-    ranks reporting a layer), keyed ``moe/layer_<n>/<statistic>``."""
+    ranks reporting a layer; the most rows a rank computed and the row budget: their maximum), keyed
+    ``moe/layer_<n>/<statistic>``."""
     local = STATS.drain_by_layer()
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, local)
@@ -290,7 +296,7 @@ def layer_statistics() -> dict[str, float]:
         for layer, row in entry.items():
             for key, value in row.items():
                 merged[layer][key].append(value)
-    return {f"{LOG_PREFIX}{layer}/{key}": float(np.mean(values))
+    return {f"{LOG_PREFIX}{layer}/{key}": merge_layer_statistic(key, values)
             for layer in sorted(merged) for key, values in merged[layer].items()}
 
 
@@ -303,9 +309,10 @@ def summary_line(metrics: dict[str, float]) -> str:
     before = max(metrics[key.replace("llep_active", "max_mean_before")] for key in active)
     after = max(metrics[key.replace("llep_active", "max_mean_after")] for key in active)
     spilling = sum(metrics[key] > 0 for key in active)
+    budget = budget_phrase(metrics)
     return (f" LLEP: {spilling}/{len(active)} layers spilled | max/mean load {before:.2f} -> {after:.2f} | "
             f"spilled tokens: {total('spilled_tokens'):.0f} | weights sent: {total('weight_bytes') / 2**20:.2f} MiB | "
-            f"plan time: {total('plan_time_ms'):.2f} ms |")
+            f"plan time: {total('plan_time_ms'):.2f} ms |" + (f" {budget} |" if budget else ""))
 
 
 def write_statistics(metrics: dict[str, float], iteration: int) -> None:

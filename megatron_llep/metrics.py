@@ -73,13 +73,47 @@ class LLEPStepStats:
     def rank_loads_after(self) -> np.ndarray:
         return self.plan.rank_loads_after
 
+    @property
+    def max_rank_rows(self) -> int:
+        """The most token-expert rows any EP rank computes under the plan (its received rows)."""
+        return int(self.plan.rank_loads_after.max())
+
+    @property
+    def budget_rows(self) -> Optional[int]:
+        """The row budget the plan was made under (``LLEPConfig.max_tokens_per_rank``), or None."""
+        return self.plan.budget
+
     def scalars(self) -> dict[str, float]:
-        """The numeric figures, for a metrics sink."""
+        """The numeric figures, for a metrics sink (``budget_rows`` only under a budget)."""
         names = ("max_mean_before", "max_mean_after", "spilled_tokens", "moved_tokens", "weight_transfers",
-                 "weight_bytes", "plan_time_s")
+                 "weight_bytes", "plan_time_s", "max_rank_rows")
         row = {name: float(getattr(self, name)) for name in names}
         row["llep_active"] = float(self.mode == "llep")
+        if self.budget_rows is not None:
+            row["budget_rows"] = float(self.budget_rows)
         return row
+
+
+MAX_MERGED_STATISTICS = frozenset({"max_rank_rows", "budget_rows"})
+"""Per-layer statistics merged by their maximum (over micro-batches, and over ranks when loggers
+gather them), so that they can be read against the budget; the others are summed or averaged."""
+
+
+def merge_layer_statistic(key: str, values: list[float]) -> float:
+    """One rank-merged value of a per-layer statistic (:meth:`LLEPStatsTracker.drain_by_layer`'s keys)
+    from each reporting rank's: the maximum for :data:`MAX_MERGED_STATISTICS`, else the mean."""
+    return float(max(values)) if key in MAX_MERGED_STATISTICS else float(np.mean(values))
+
+
+def budget_phrase(metrics: dict[str, float]) -> str:
+    """``"rows/rank max R of budget B"`` over the layers of logged ``metrics`` (keys
+    ``<prefix><layer>/max_rank_rows`` and ``.../budget_rows``): the most rows a rank computed against
+    the budget, for a log line; "" without a row budget."""
+    budgets = [(metrics[k.replace("budget_rows", "max_rank_rows")], metrics[k])
+               for k in metrics if k.endswith("/budget_rows") and k.replace("budget_rows", "max_rank_rows") in metrics]
+    if not budgets:
+        return ""
+    return f"rows/rank max {max(rows for rows, _ in budgets):.0f} of budget {min(b for _, b in budgets):.0f}"
 
 
 PRUNING_COUNTS = ("device_visits_unpruned", "device_visits", "own_device_visits_unpruned", "own_device_visits",
@@ -238,19 +272,25 @@ class LLEPStatsTracker:
 
     def drain_by_layer(self) -> dict[int, dict[str, float]]:
         """Drain, summarised per layer over the micro-batches since the last drain: token and byte
-        counts and planner time summed, ratios averaged (what the dashboards log)."""
+        counts and planner time summed, ratios averaged, the most rows a rank computed
+        (``max_rank_rows``) and the row budget (``budget_rows``, only under one) their maximum
+        (what the dashboards log)."""
         summary = {}
         for layer, steps in self.drain().items():
             if layer is None or not steps:
                 continue
-            summary[int(layer)] = {
+            row = summary[int(layer)] = {
                 "max_mean_before": float(np.mean([s.max_mean_before for s in steps])),
                 "max_mean_after": float(np.mean([s.max_mean_after for s in steps])),
                 "spilled_tokens": float(sum(s.spilled_tokens for s in steps)),
                 "weight_bytes": float(sum(s.weight_bytes for s in steps)),
                 "plan_time_ms": 1e3 * float(sum(s.plan_time_s for s in steps)),
                 "llep_active": float(np.mean([s.mode == "llep" for s in steps])),
+                "max_rank_rows": float(max(s.max_rank_rows for s in steps)),
             }
+            budgets = [s.budget_rows for s in steps if s.budget_rows is not None]
+            if budgets:
+                row["budget_rows"] = float(max(budgets))
         return summary
 
     @contextlib.contextmanager
@@ -264,11 +304,13 @@ class LLEPStatsTracker:
             self._steps, self._pruning = kept
 
     def summary(self) -> dict[str, float]:
-        """Mean of every scalar over all recorded steps and layers (without clearing)."""
+        """Mean of every scalar over all recorded steps and layers (without clearing); the maximum
+        for :data:`MAX_MERGED_STATISTICS`."""
         rows = [s.scalars() for layer in self._steps.values() for s in layer]
         if not rows:
             return {}
-        return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+        keys = dict.fromkeys(k for r in rows for k in r)
+        return {k: merge_layer_statistic(k, [r[k] for r in rows if k in r]) for k in keys}
 
 
 STATS = LLEPStatsTracker()

@@ -19,13 +19,23 @@ The algorithm (SPEC section 1, step 3):
     while possible (never drop a token): with ``alpha >= 1`` no rank ends above ``ceil(cap) + m``.
 Spilled tokens of an expert are first taken from the helper's own routed tokens (no traffic).
 
+A row budget (``config.max_tokens_per_rank``, ``B``) is a hard limit on every rank's load in the
+plan, and wins over the rules above: plain EP is kept below ``lambda`` only when no rank's load
+exceeds ``B``; the capacity is ``min(cap, B)`` and the ``cap + m`` slack ``min(cap + m, B)``, so a
+remainder under ``m`` stays native only within ``B`` and otherwise goes to helpers in chunks as
+small as ``B`` leaves room for; when every rank is full, the least-loaded rank takes tokens only up
+to ``B``. Since the ranks' loads always sum to the tokens assigned so far, some rank is below ``B``
+while tokens remain whenever ``sum(l) <= P * B``; a step with more rows raises
+:class:`InfeasibleBudgetError` from the global counts alone, so every EP rank raises it alike.
+
 Cost-aware planning (``config.cost_aware``) picks, among whole candidate plans, the one whose
 predicted layer time is lowest (:class:`LayerTimeModel`: the token dispatch all-to-all, then each
 rank's native GEMMs and its borrowed GEMMs wave by wave as the weight copies arrive, then the
 combine all-to-all; every rank's links run in parallel, intra- and inter-node links separately).
 The candidates are plain EP, the plain least-loaded plan at ``alpha`` (exactly what
 ``cost_aware=False`` returns) and least-loaded plans at raised capacities (fewer, fuller helpers: fewer weight copies, more GEMM time on the slowest rank),
-so a cost-aware plan is never predicted slower than either plain plan. Ties keep the plain
+so a cost-aware plan is never predicted slower than either plain plan (under a budget, plain EP
+is a candidate only within it and raised capacities stop at it). Ties keep the plain
 least-loaded plan, then plain EP. No decision is taken chunk by chunk: a spill that does not pay
 for itself in isolation can still shorten the slowest rank, and vice versa.
 """
@@ -118,6 +128,8 @@ class LLEPPlan:
     transfer_native: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_helper: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_wave: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # The row budget the plan was made under (LLEPConfig.max_tokens_per_rank); None: no budget.
+    budget: Optional[int] = None
 
     @property
     def ep_size(self) -> int:
@@ -396,15 +408,33 @@ def rank_loads(counts: np.ndarray, num_local_experts: int) -> np.ndarray:
     return loads.reshape(-1, num_local_experts).sum(axis=1)
 
 
+class InfeasibleBudgetError(ValueError):
+    """A step routes more token-expert rows than ``P x max_tokens_per_rank``: no plan can keep every
+    rank within the budget. Raised by :func:`plan_llep` from the global counts alone, so every EP
+    rank of the step raises it, before the dispatch (no rank enters the all-to-all alone)."""
+
+    def __init__(self, total_rows: int, ep_size: int, budget: int, layer_number: Optional[int] = None) -> None:
+        self.total_rows, self.ep_size, self.budget, self.layer_number = total_rows, ep_size, budget, layer_number
+        where = f"MoE layer {layer_number}" if layer_number is not None else "an MoE layer"
+        needed = -(-total_rows // ep_size)
+        super().__init__(
+            f"LLEP row budget cannot be met in {where}: {total_rows} token-expert rows over {ep_size} EP ranks "
+            f"exceed {ep_size} x max_tokens_per_rank {budget} = {ep_size * budget}; raise max_tokens_per_rank "
+            f"(--llep-max-tokens-per-rank) to at least {needed} or route fewer tokens per micro-batch")
+
+
 def plan_llep(
     counts: np.ndarray,
     config: LLEPConfig,
     expert_shape: Optional[ExpertShape] = None,
+    layer_number: Optional[int] = None,
 ) -> LLEPPlan:
     """Compute the LLEP plan for one MoE layer step from the global ``[P, N]`` count matrix.
 
     ``expert_shape`` is needed only when ``config.cost_aware`` (it sizes GEMMs and transfers). A
-    cost-aware plan reports the capacity it was made at: the configured one or a raised rung.
+    cost-aware plan reports the capacity it was made at: the configured one or a raised rung
+    (clipped to the budget). With ``config.max_tokens_per_rank`` no rank's load in the plan exceeds
+    it, or :class:`InfeasibleBudgetError` (naming ``layer_number``) is raised when none can.
     """
     counts = np.asarray(counts)
     if counts.ndim != 2:
@@ -422,10 +452,31 @@ def plan_llep(
     loads = counts.sum(axis=0)
     before = loads.reshape(ep, local).sum(axis=1)
     total = int(loads.sum())
+    budget = config.max_tokens_per_rank
+    if budget is not None and total > ep * budget:
+        raise InfeasibleBudgetError(total, ep, budget, layer_number)
     capacity = config.alpha * total / ep
-    if total == 0 or ep == 1 or before.max() * ep < config.imbalance_threshold * total:
-        return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
+    if budget is not None:
+        capacity = min(capacity, budget)  # total <= ep * budget: still at least the mean load
+    within_budget = budget is None or before.max() <= budget
+    if total == 0 or ep == 1 or (before.max() * ep < config.imbalance_threshold * total and within_budget):
+        plan = LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
+    else:
+        plan = _spill_plan(counts, loads, local, before, capacity, config, expert_shape)
+    plan.budget = budget
+    return plan
 
+
+def _spill_plan(
+    counts: np.ndarray,
+    loads: np.ndarray,
+    local: int,
+    before: np.ndarray,
+    capacity: float,
+    config: LLEPConfig,
+    expert_shape: Optional[ExpertShape],
+) -> LLEPPlan:
+    """The least-loaded plan at ``capacity`` (or, cost-aware, the cheapest candidate)."""
     splits = _least_loaded_assignment(counts, loads, before, capacity, config)
     if not splits:
         return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
@@ -459,20 +510,21 @@ def _cheapest_plan(
     """The candidate plan with the lowest predicted layer time (:class:`LayerTimeModel`).
 
     Candidates, in order of preference on ties: the plain least-loaded plan at ``capacity`` (what
-    ``cost_aware=False`` returns), plain EP, then least-loaded plans at capacities raised by
-    :data:`_CAPACITY_RUNGS`. A raised capacity lets ranks fill further past the mean before
+    ``cost_aware=False`` returns), plain EP (only where it keeps every rank within the row budget),
+    then least-loaded plans at capacities raised by :data:`_CAPACITY_RUNGS` (at most to the budget). A raised capacity lets ranks fill further past the mean before
     spilling, so a hot expert needs fewer helpers: fewer weight copies (its native rank sends one
     per helper over its own links) and, at the cost of a slower slowest rank, less token traffic.
     All candidates are priced by the same model in one vectorised pass, so the result is never
     predicted slower than plain EP or the plain least-loaded plan.
     """
     capacities, candidates = [capacity], [splits]
+    budget = config.max_tokens_per_rank
     if _weight_copies_weigh(splits, before, loads, local, config, shape):
         ceiling = float(before.max())  # from this capacity on no rank is overloaded: plain EP
         slots, last = len(splits), len(splits)
         for factor in _CAPACITY_RUNGS:
-            raised = capacity * factor
-            if raised >= ceiling or slots + last > _SEARCH_SLOTS:
+            raised = capacity * factor if budget is None else min(capacity * factor, budget)
+            if raised >= ceiling or raised <= capacities[-1] or slots + last > _SEARCH_SLOTS:
                 break
             more = _least_loaded_assignment(counts, loads, before, raised, config)
             if not more:
@@ -487,7 +539,7 @@ def _cheapest_plan(
     times = [sum(candidate) for candidate in phases]
     best, best_time = 0, times[0]
     ep_time = sum(timer._plain_ep_phases())
-    if ep_time < best_time:
+    if ep_time < best_time and (budget is None or before.max() <= budget):
         best, best_time = None, ep_time
     for k in range(1, len(candidates)):
         if times[k] < best_time:
@@ -549,7 +601,10 @@ def _least_loaded_assignment(
     expert_loads = loads.tolist()
     # effective[g]: tokens assigned to g so far plus its native experts' load not yet visited
     effective = rank_loads_before.tolist()
-    slack_limit = capacity + m
+    # the row budget bounds every rank's load (capacity <= budget already): it caps the slack of the
+    # min-chunk rule and the overflow when all ranks are full, so a chunk may be smaller than m
+    budget = math.inf if config.max_tokens_per_rank is None else config.max_tokens_per_rank
+    slack_limit = min(capacity + m, budget)
     splits: dict[int, list[tuple[int, int]]] = {}
     floor = math.floor
     one_node = ranks_per_node >= ep
@@ -610,10 +665,12 @@ def _least_loaded_assignment(
                 take = remaining if remaining < room else room
             else:
                 # Nobody has room for a worthwhile chunk: the least-loaded rank takes up to cap + m
-                # (at least one token, so integer rounding cannot stall); past that, everything.
+                # (at least one token, so integer rounding cannot stall); past that, everything, up
+                # to the budget. Under a budget the least-loaded rank is below it while tokens
+                # remain (the loads sum to the tokens assigned, < P x budget), so it takes >= 1.
                 helper = min(range(ep), key=effective.__getitem__)
                 slack = slack_limit - effective[helper]
-                take = min(remaining, max(math.ceil(slack), 1)) if slack > 0 else remaining
+                take = min(remaining, max(math.ceil(slack), 1)) if slack > 0 else min(remaining, budget - effective[helper])
             parts[helper] = parts.get(helper, 0) + take
             effective[helper] += take
             if capacity - effective[helper] < 1:

@@ -14,8 +14,10 @@ Metric names (wandb keys):
   its exponential, the loss tokens), at each evaluation
 * ``memory/peak_gib`` (max over ranks: CUDA max allocated, or the process's peak RSS on CPU)
 * ``moe/layer_<n>/{max_mean_before,max_mean_after,spilled_tokens,weight_bytes,plan_time_ms,llep_active}``
-  (LLEP layers; averaged over micro-batches and EP groups) and ``moe/layer_<n>/max_mean_load``
-  (routing load of every MoE layer, LLEP or not)
+  (LLEP layers; averaged over micro-batches and EP groups), ``moe/layer_<n>/max_rank_rows`` (the most
+  token-expert rows an EP rank computed, maximum over micro-batches and EP groups) with
+  ``moe/layer_<n>/budget_rows`` (``--llep-max-tokens-per-rank``, only when set), and
+  ``moe/layer_<n>/max_mean_load`` (routing load of every MoE layer, LLEP or not)
 * ``moe/expert_load_heatmap``: image, MoE layers x experts, load / mean load, every N steps.
 * ``prune/{devices_per_token,remote_devices_per_token,cross_node_devices_per_token}`` and their ``*_unpruned``,
   ``prune/dropped_pairs``, ``prune/dropped_pair_fraction``, ``prune/alltoall_bytes`` and
@@ -40,7 +42,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_llep.compat import mcore
-from megatron_llep.metrics import STATS, pruning_metrics
+from megatron_llep.metrics import STATS, budget_phrase, merge_layer_statistic, pruning_metrics
 
 
 def peak_memory_bytes() -> int:
@@ -154,7 +156,7 @@ def gather_moe_metrics(load_meter: MoELoadMeter) -> tuple[dict[str, float], Opti
     metrics: dict[str, float] = pruning_metrics(prune)
     for layer in sorted(llep):
         for key, values in llep[layer].items():
-            metrics[f"moe/layer_{layer}/{key}"] = float(np.mean(values))
+            metrics[f"moe/layer_{layer}/{key}"] = merge_layer_statistic(key, values)
     layers = sorted(loads)
     if not layers:
         return metrics, None, []
@@ -168,7 +170,8 @@ def gather_moe_metrics(load_meter: MoELoadMeter) -> tuple[dict[str, float], Opti
 def llep_summary(metrics: dict[str, float]) -> str:
     """The LLEP statistics of :func:`gather_moe_metrics`' metrics in one phrase for a log line (over
     every MoE layer: how many spilled, the worst max/mean rank load before and after, the tokens and
-    weight bytes moved, the planning time), or "plain EP" without LLEP layers."""
+    weight bytes moved, the planning time; under a row budget the most rows a rank computed against
+    it), or "plain EP" without LLEP layers."""
     active = [k for k in metrics if k.endswith("/llep_active")]
     if not active:
         return "plain EP"
@@ -178,8 +181,11 @@ def llep_summary(metrics: dict[str, float]) -> str:
     weight_kib = sum(metrics[k.replace("llep_active", "weight_bytes")] for k in active) / 1024
     plan_ms = sum(metrics[k.replace("llep_active", "plan_time_ms")] for k in active)
     spilling = sum(metrics[k] > 0 for k in active)
+    budget = budget_phrase(metrics)
     return (f"LLEP {spilling}/{len(active)} layers spilled, max/mean {before:.2f} -> {after:.2f}, "
-            f"{spilled:.0f} tokens spilled, {weight_kib:.0f} KiB weights, plan {plan_ms:.2f} ms")
+            f"{spilled:.0f} tokens spilled, {weight_kib:.0f} KiB weights, plan {plan_ms:.2f} ms"
+            + (f", {budget}" if budget else ""))
+
 
 
 def _bytes(count: float) -> str:

@@ -28,7 +28,8 @@ from recipes.models import RECIPES
 
 # the LLEPConfig field each LLEP flag sets (its validation messages name the flag)
 LLEP_FLAGS = {"alpha": "--llep-alpha", "min_chunk_tokens": "--llep-min-chunk-tokens",
-              "imbalance_threshold": "--llep-imbalance-threshold", "ranks_per_node": "--ranks-per-node"}
+              "imbalance_threshold": "--llep-imbalance-threshold", "ranks_per_node": "--ranks-per-node",
+              "max_tokens_per_rank": "--llep-max-tokens-per-rank"}
 # the RoutingPruning field each pruning flag sets (its validation messages name the flag)
 PRUNING_FLAGS = {"pruning.p": "--prune-p", "pruning.method": "--prune-method",
                  "pruning.cross_node_cost": "--cross-node-cost"}
@@ -106,6 +107,11 @@ def add_llep_arguments(parser: argparse.ArgumentParser) -> None:
     llep.add_argument("--llep-imbalance-threshold", type=float, default=1.3, help="lambda")
     llep.add_argument("--llep-cost-aware", action=argparse.BooleanOptionalAction, default=True, help="plan by predicted layer time")
     llep.add_argument("--ranks-per-node", type=int, default=None, help="prefer helpers inside a node of this size")
+    llep.add_argument("--llep-max-tokens-per-rank", type=int, default=None, metavar="ROWS",
+                      help="hard budget of token-expert rows each EP rank computes per MoE layer and micro-batch: "
+                           "LLEP spills (even below lambda, in chunks under m) to keep every rank within it; a "
+                           "micro-batch routing more than EP x ROWS rows stops with an error naming the layer "
+                           "(default: no budget)")
     cap = parser.add_argument_group("CAP expert placement (docs/placement.md)")
     cap.add_argument("--placement", default=None, help="placement file (python -m megatron_llep.placement plan ...)")
     cap.add_argument("--record-routing-trace", default=None, metavar="DIR",
@@ -163,7 +169,7 @@ def check_llep_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
     try:  # LLEPConfig's own rules, with the flag named
         LLEPConfig(alpha=args.llep_alpha, imbalance_threshold=args.llep_imbalance_threshold,
                    min_chunk_tokens=0 if args.llep_min_chunk_tokens is None else args.llep_min_chunk_tokens,
-                   ranks_per_node=args.ranks_per_node)
+                   ranks_per_node=args.ranks_per_node, max_tokens_per_rank=args.llep_max_tokens_per_rank)
     except LLEPConfigError as err:
         parser.error(err.for_flag(LLEP_FLAGS[err.knob]))
     if args.force_routing is not None:
@@ -325,6 +331,7 @@ def llep_config(args: argparse.Namespace, on_gpu: bool) -> LLEPConfig:
         cost_model=CostModel() if on_gpu else CostModel.cpu(),
         ranks_per_node=args.ranks_per_node,
         pruning=pruning_settings(args),
+        max_tokens_per_rank=args.llep_max_tokens_per_rank,
     )
 
 

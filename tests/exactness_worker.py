@@ -4,6 +4,7 @@ dense MoE, on the same weights, inputs and routing. Imported by spawned gloo pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,6 +45,7 @@ class Case:
     shared_expert: int = 0  # shared expert FFN width (0: none)
     shared_overlap: bool = False  # moe_shared_expert_overlap: dispatcher drives the shared expert
     capacity_factor: Optional[float] = None  # Megatron's token dropping (no padding); the dense reference does not drop
+    budget_over_mean: Optional[int] = None  # max_tokens_per_rank = ceil(routed rows / EP) + this (None: no budget)
 
 
 def _expert_ids(case: Case, rank: int, tokens: int) -> np.ndarray:
@@ -56,6 +58,14 @@ def _expert_ids(case: Case, rank: int, tokens: int) -> np.ndarray:
         rng = np.random.default_rng(rank)
         return pool[np.argsort(rng.random((tokens, pool.size)), axis=1)[:, : case.topk]]
     raise ValueError(case.routing)
+
+
+def _row_budget(case: Case, world: int) -> Optional[int]:
+    """``case``'s max_tokens_per_rank, from every rank's routing (each rank derives all of them)."""
+    if case.budget_over_mean is None:
+        return None
+    rows = sum(_expert_ids(case, r, case.tokens[r] if case.tokens else 24).size for r in range(world))
+    return -(-rows // world) + case.budget_over_mean
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,7 +149,7 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     cfg = moe_config(case.num_experts, case.hidden, case.ffn, case.topk, world, gpt_oss_experts=case.gpt_oss,
                      bias_activation_fusion=case.fused_bias_act, params_dtype=dtype, **shared, **dropping)
     llep_cfg = LLEPConfig(min_chunk_tokens=case.min_chunk_tokens, imbalance_threshold=case.imbalance_threshold,
-                          alpha=case.alpha, cost_aware=False)
+                          alpha=case.alpha, cost_aware=False, max_tokens_per_rank=_row_budget(case, world))
     stock = build_moe_layer(cfg, None, seed=7, grouped_gemm=case.grouped_gemm)
     llep = build_moe_layer(cfg, llep_cfg, seed=7, grouped_gemm=case.grouped_gemm)
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -200,10 +210,39 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     exchange = llep.token_dispatcher.weight_exchange if rank_plan is not None else None
     errs["waves_here"] = [len(exchange.wave_receives[w]) for w in exchange.waves] if exchange is not None else []
     errs["num_local_experts"] = llep.num_local_experts
+    # the rows this rank's experts computed: what its token all-to-all received (the dispatcher's splits)
+    dispatcher = llep.token_dispatcher
+    errs["rows_here"] = int(sum(dispatcher._output_split_list) if dispatcher.llep_active else dispatcher.output_splits.sum())
+    errs["budget"] = llep_cfg.max_tokens_per_rank
     weight_group = llep.token_dispatcher.weight_group
     errs["separate_weight_group"] = weight_group is not llep.token_dispatcher.ep_group and (
         dist.get_process_group_ranks(weight_group) == dist.get_process_group_ranks(llep.token_dispatcher.ep_group))
     return errs
+
+
+def infeasible_budget(rank: int, world: int) -> dict:
+    """An LLEP layer whose step routes more rows than EP x max_tokens_per_rank: what each rank
+    raises, then one all-reduce of all ranks (it completes only if no rank was left inside a
+    collective of the layer)."""
+    from megatron_llep.planner import InfeasibleBudgetError
+
+    init_expert_parallel(world)
+    case = Case("infeasible_budget", "hot")
+    tokens = 24
+    budget = _row_budget(dataclasses.replace(case, budget_over_mean=-1), world)  # one row short of the mean
+    cfg = moe_config(case.num_experts, case.hidden, case.ffn, case.topk, world)
+    layer = build_moe_layer(cfg, LLEPConfig(min_chunk_tokens=2, cost_aware=False, max_tokens_per_rank=budget), seed=7)
+    force_routing(layer.router, _expert_ids(case, rank, tokens))
+    result = {"budget": budget}
+    try:
+        layer(torch.randn(tokens, 1, case.hidden))
+        result["error"] = None
+    except InfeasibleBudgetError as err:
+        result.update(error=str(err), layer_number=err.layer_number, total_rows=err.total_rows)
+    done = torch.ones(1)
+    dist.all_reduce(done)
+    result["all_reduce"] = float(done.item())
+    return result
 
 
 def run_cases(rank: int, world: int, cases: list) -> dict:

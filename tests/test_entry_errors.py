@@ -122,6 +122,8 @@ def _usage_error(capsys, argv) -> str:
         (["--llep-min-chunk-tokens", "-4"], "--llep-min-chunk-tokens (m) must be an integer >= 0, got -4"),
         (["--llep-imbalance-threshold", "0.5"], "--llep-imbalance-threshold (lambda) must be >= 1.0"),
         (["--ranks-per-node", "0"], "--ranks-per-node must be a positive integer"),
+        (["--llep-max-tokens-per-rank", "0"], "--llep-max-tokens-per-rank (the token-expert rows an EP rank may "
+                                              "receive per layer step) must be a positive integer"),
         (["--force-routing", "0.9:99"], "--force-routing F:H: H = 99 hot experts, but gpt-oss-tiny has 8"),
         (["--recipe", "deepseek-v3-tiny", "--force-routing", "0.9:9"], "H = 9 hot experts, but deepseek-v3-tiny has 8"),
         (["--lr", "-1"], "--lr must be positive, got -1.0"),
@@ -164,6 +166,14 @@ def test_llep_config_errors_name_the_knob_or_the_flag():
     assert err.value.knob == "imbalance_threshold" and str(err.value).startswith("LLEPConfig.imbalance_threshold")
     assert err.value.for_flag("--llep-imbalance-threshold").startswith("--llep-imbalance-threshold (lambda) must be")
     assert set(finetune.LLEP_FLAGS) <= {field.name for field in dataclasses.fields(LLEPConfig)}
+
+
+def test_the_row_budget_flag_reaches_the_llep_config():
+    from recipes.model_building import llep_config
+
+    assert llep_config(finetune.parse_args([]), on_gpu=False).max_tokens_per_rank is None
+    args = finetune.parse_args(["--llep-max-tokens-per-rank", "512"])
+    assert llep_config(args, on_gpu=False).max_tokens_per_rank == 512
 
 
 def test_only_rank_zero_reports_a_usage_error_at_once(monkeypatch):

@@ -5,7 +5,7 @@ weight grad are compared."""
 
 import pytest
 
-from exactness_worker import Case, run_cases
+from exactness_worker import Case, infeasible_budget, run_cases
 from megatron_llep.compat import mcore
 from megatron_llep.testing.distributed import run_distributed
 
@@ -53,6 +53,15 @@ NEGATIVE_CONTROLS = [
 ]
 
 
+# LLEPConfig.max_tokens_per_rank at the mean rank load (the tightest feasible budget): the plan must
+# spill where plain EP would not (below lambda; chunks smaller than m), and still equal plain EP.
+BUDGET_CASES = [
+    Case("budget_below_lambda", "hot", hot_fraction=0.3, imbalance_threshold=10.0, budget_over_mean=0),
+    Case("budget_beats_min_chunk", "hot", topk=1, hot_fraction=1.0, min_chunk_tokens=64, budget_over_mean=0),
+    Case("budget_cuts_min_chunk_slack", "hot", num_experts=16, num_hot=3, min_chunk_tokens=12, budget_over_mean=1),
+]
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ep_results(request):
     ep = request.param
@@ -90,6 +99,43 @@ def test_llep_equals_plain_ep(ep_results, name):
         assert first["weight_bytes"] == first["weight_transfers"] * _expert_bytes(case, 2 if bf16 else 4)
     else:
         assert first["weight_transfers"] == 0 and first["spilled_tokens"] == 0
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+def budget_results(request):
+    return request.param, run_distributed(run_cases, request.param, BUDGET_CASES, timeout_s=600)
+
+
+@pytest.mark.parametrize("case", BUDGET_CASES, ids=lambda c: c.name)
+def test_a_row_budget_keeps_llep_equal_to_plain_ep(budget_results, case):
+    """Forced to spill by the budget alone (these routings fall back to plain EP, or keep small
+    remainders native, without it): every rank's received rows stay within the budget, and outputs
+    and every gradient still equal plain EP's."""
+    ep, per_rank = budget_results
+    results = [r[case.name] for r in per_rank]
+    budget = results[0]["budget"]
+    assert all(r["mode"] == "llep" for r in results), [r["mode"] for r in results]
+    rows = [r["rows_here"] for r in results]
+    assert max(rows) <= budget, (rows, budget)
+    assert sum(rows) == ep * (case.tokens[0] if case.tokens else 24) * case.topk  # every row computed once
+    for rank, r in enumerate(results):
+        for key in ("out_vs_stock", "dx_vs_stock", "router_vs_stock", "experts_vs_stock"):
+            assert r[key] <= 1e-5, f"rank {rank}: {key} = {r[key]:.3g}"
+        for key in ("out_vs_ref", "dx_vs_ref", "router_vs_ref", "experts_vs_ref"):
+            assert r[key] <= 2e-5, f"rank {rank}: {key} = {r[key]:.3g}"
+
+
+def test_an_infeasible_budget_stops_every_rank_with_one_error():
+    """More rows than EP x budget: every rank raises the same error naming the numbers and the layer
+    before the token all-to-all, and all ranks then meet in one all-reduce (none hangs in the layer)."""
+    results = run_distributed(infeasible_budget, 2, timeout_s=300)
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1 and None not in messages, messages
+    message = messages.pop()
+    assert all(r["layer_number"] == 1 and r["total_rows"] == 96 for r in results)
+    budget = results[0]["budget"]
+    assert budget == 47 and "MoE layer 1: 96 token-expert rows over 2 EP ranks exceed 2 x max_tokens_per_rank 47" in message
+    assert all(r["all_reduce"] == 2.0 for r in results)
 
 
 def test_weights_travel_on_their_own_communicator_over_the_ep_ranks(ep_results):

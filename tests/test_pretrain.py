@@ -215,10 +215,10 @@ def test_llep_flags_map_onto_llep_config():
 
     args = _llep_flags("--llep", "--llep-alpha", "1.5", "--llep-min-chunk-tokens", "7", "--llep-imbalance-threshold", "2",
                        "--llep-ranks-per-node", "4", "--no-llep-cost-aware", "--llep-cost-model", "h200",
-                       "--no-llep-enabled", "--no-llep-record-stats")
+                       "--no-llep-enabled", "--no-llep-record-stats", "--llep-max-tokens-per-rank", "4096")
     assert llep_config_from_args(args) == LLEPConfig(alpha=1.5, min_chunk_tokens=7, imbalance_threshold=2.0,
                                                      ranks_per_node=4, cost_aware=False, cost_model=CostModel(),
-                                                     enabled=False, record_stats=False)
+                                                     enabled=False, record_stats=False, max_tokens_per_rank=4096)
     # CPU defaults, as recipes/finetune.py's: m = 16 and the CPU cost model
     assert llep_config_from_args(_llep_flags("--llep")) == LLEPConfig(min_chunk_tokens=16, cost_model=CostModel.cpu())
     assert note_when_idle(_llep_flags("--llep")) is None
@@ -230,6 +230,8 @@ def test_llep_flags_map_onto_llep_config():
     (["--llep-min-chunk-tokens", "-1"], "--llep-min-chunk-tokens (m) must be an integer >= 0, got -1"),
     (["--llep-imbalance-threshold", "0.5"], "--llep-imbalance-threshold (lambda) must be >= 1.0"),
     (["--llep-ranks-per-node", "0"], "--llep-ranks-per-node must be a positive integer"),
+    (["--llep-max-tokens-per-rank", "0"], "--llep-max-tokens-per-rank (the token-expert rows an EP rank may receive "
+                                          "per layer step) must be a positive integer, or None for no budget, got 0"),
     (["--moe-token-dispatcher-type", "allgather"], "use --moe-token-dispatcher-type alltoall (got allgather)"),
     (["--llep-placement", "/nonexistent/placement.json"], "--llep-placement /nonexistent/placement.json: "),
 ])
