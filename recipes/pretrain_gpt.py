@@ -47,9 +47,13 @@ def _rank() -> int:
 
 
 def _fail(message: str) -> None:
-    """A usage error: one line from rank 0, exit status 2, no traceback."""
-    if _rank() == 0:
-        print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
+    """A usage error: one line, exit status 2, no traceback. Every rank finds it: rank 0 reports it and
+    the launcher ends the others, which wait for that first (and report it themselves only if rank 0
+    did not find it), so the line is printed once."""
+    from recipes import entry_point
+
+    entry_point.wait_for_rank_zero_report()
+    print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
