@@ -47,10 +47,20 @@ def _rank() -> int:
 
 
 def _fail(message: str) -> None:
-    """A usage error: one line from rank 0, exit status 2, no traceback."""
-    if _rank() == 0:
-        print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
+    """A usage error: one line, exit status 2, no traceback. Every rank finds it: rank 0 reports it and
+    the launcher ends the others, which wait for that first (and report it themselves only if rank 0
+    did not find it), so the line is printed once."""
+    from recipes import entry_point
+
+    entry_point.wait_for_rank_zero_report()
+    print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def _say(message: str) -> None:
+    """A note from rank 0."""
+    if _rank() == 0:
+        print(f"{PREFIX} {message}", flush=True)
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -65,7 +75,11 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """This script's checks (one-line ``ValueError``): forced routing and the data prefixes."""
+    """This script's checks (one-line ``ValueError``; recipes/pretrain_checks.py): forced routing,
+    ``--load``, ``--save`` and the data prefixes."""
+    from megatron_llep.compat import megatron_training
+    from recipes import pretrain_checks
+
     if args.force_routing is not None:
         try:
             fraction, hot = args.force_routing.split(":")
@@ -75,20 +89,18 @@ def check_args(args: argparse.Namespace) -> None:
         if not 0.0 <= args.force_routing[0] <= 1.0 or not 1 <= args.force_routing[1] <= (args.num_experts or 0):
             raise ValueError(f"--force-routing F:H needs 0 <= F <= 1 and 1 <= H <= --num-experts, got {args.force_routing}")
         args.moe_enable_routing_replay = True  # becomes the TransformerConfig field the model is built with
-    if args.mock_data:
-        return
-    from megatron.training.utils import get_blend_and_blend_per_split
-
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    prefixes = [p for b in ([blend] if blend else []) + [b for b in (blend_per_split or []) if b] for p in b[0]]
-    if not prefixes:
+    pretrain_checks.check_load(args)
+    prefixes = [] if args.mock_data else pretrain_checks.data_prefixes(args)
+    if not args.mock_data and not prefixes:
         raise ValueError("no data: give --data-path PREFIX (.bin/.idx from recipes/make_indexed_dataset.py), "
                          "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
-    for prefix in prefixes:
-        for suffix in (".bin", ".idx"):
-            if not os.path.isfile(prefix + suffix):
-                raise ValueError(f"data prefix {prefix}: {prefix + suffix} does not exist "
-                                 "(build one with recipes/make_indexed_dataset.py)")
+    if not args.save and not prefixes:
+        return
+    vocab_size = megatron_training.tokenizer_vocab_size(args)
+    pretrain_checks.check_save(args, vocab_size)
+    vocabulary = " ".join(f"--{name.replace('_', '-')} {getattr(args, name)}"
+                          for name in ("tokenizer_type", "tokenizer_model", "vocab_size") if getattr(args, name))
+    pretrain_checks.check_data(prefixes, vocab_size, vocabulary, _say)
 
 
 def unfuse_expert_activation(args: argparse.Namespace) -> Optional[str]:
@@ -262,12 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         argv = cpu_argv
     sys.argv = [sys.argv[0], *argv]
     if "--save" in argv[:-1] and _rank() == 0:  # one run per save directory, as in fine-tuning
-        from recipes import save_lock
-
-        try:
-            save_lock.acquire(argv[argv.index("--save") + 1], lambda message: print(f"{PREFIX} {message}", flush=True))
-        except (save_lock.SaveDirectoryInUse, OSError) as err:
-            _fail(str(err))
+        _lock_save_directory(argv[argv.index("--save") + 1])
     if "--wandb-project" in argv and "WANDB_MODE" not in os.environ:
         # Megatron-LM's wandb.init goes online and fails without a key; the other entry points default to offline
         os.environ["WANDB_MODE"] = "offline"
@@ -285,18 +292,42 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # Megatron-LM's pretrain_gpt.py defaults, and an evaluation interval where 0.19 has none
     args_defaults = {"tokenizer_type": "GPT2BPETokenizer", "eval_interval": 1000}
     megatron_lm.install_llep_logging()
-    megatron_training.run_pretrain(add_args, args_defaults, _check_parsed_args, train_valid_test_datasets_provider,
-                                   megatron_lm.model_provider, forward_step)
+    try:
+        megatron_training.run_pretrain(add_args, args_defaults, _precheck_parsed_args, _check_parsed_args,
+                                       train_valid_test_datasets_provider, megatron_lm.model_provider, forward_step)
+    except megatron_training.ArgumentsRefused as err:
+        _fail(f"Megatron-LM refused the arguments: {err}")
+
+
+def _lock_save_directory(directory: str) -> None:
+    """Rank 0 takes ``--save``'s lock (recipes/save_lock.py), once it knows the directory is writable."""
+    from recipes import pretrain_checks, save_lock
+
+    try:
+        pretrain_checks.check_writable(directory)
+        save_lock.acquire(directory, _say)
+    except (ValueError, OSError) as err:  # SaveDirectoryInUse is a ValueError
+        _fail(str(err))
+
+
+def _precheck_parsed_args(args: argparse.Namespace) -> None:
+    """Flags Megatron-LM's validation would refuse with a bare assertion, named (a usage error ends the run)."""
+    from recipes import pretrain_checks
+
+    try:
+        pretrain_checks.precheck_args(args)
+    except ValueError as err:
+        _fail(str(err))
 
 
 def _check_parsed_args(args: argparse.Namespace) -> None:
-    """LLEP's and this script's checks on Megatron-LM's parsed arguments (a usage error ends the
+    """This script's and LLEP's checks on Megatron-LM's validated arguments (a usage error ends the
     run), and the note when ``--llep`` has nothing to do."""
     from megatron_llep import megatron_lm
 
     try:
+        check_args(args)  # first: a --load of another entry point's checkpoint is named before its expert order
         megatron_lm.check_llep_args(args)
-        check_args(args)
     except ValueError as err:
         _fail(str(err))
     fusion_note = unfuse_expert_activation(args)

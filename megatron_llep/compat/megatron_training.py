@@ -10,7 +10,10 @@ Python 3.11 CI (which runs 0.19's Python sources over a 0.16 install), lives her
   ``PretrainConfigContainer`` (built from the arguments parsed beforehand) first and the model
   provider positionally; 0.19 takes the model provider as a keyword (or a model config inside the
   container). :func:`run_pretrain` calls each the way it expects, told apart by ``pretrain``'s own
-  signature.
+  signature. Either way a check runs on the parsed arguments before Megatron-LM validates them (its
+  ``validate_args``, looked up in ``initialize`` on 0.17 and in ``arguments`` on 0.18+, is wrapped),
+  and Megatron-LM's own assertions there become :class:`ArgumentsRefused`.
+* The tokenizer is built while parsing on 0.18+, after the checks on 0.17 (:func:`tokenizer_vocab_size`).
 * ``get_batch_on_this_cp_rank``: 0.18+ require ``is_hybrid_cp``, 0.17 has no such parameter
   (:func:`batch_on_this_cp_rank`).
 * ``typing.override`` (Python 3.12) is used by 0.18+'s ``megatron.training``: aliased to
@@ -37,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import traceback
 import typing
 import warnings
 from typing import Any, Callable, Iterator, Optional
@@ -172,26 +176,52 @@ def use_dataset_helpers() -> None:
     dataset_utils.compile_helpers = compile_helpers
 
 
-def run_pretrain(extra_args_provider: Callable, args_defaults: dict, check_args: Callable[[Any], None],
-                 dataset_provider: Callable, model_provider: Callable, forward_step: Callable) -> None:
+class ArgumentsRefused(Exception):
+    """Megatron-LM's own checks refused the arguments: an ``AssertionError`` while it validated them or
+    set up its global state from them. The message is the assertion's, or the asserting source line
+    when it has none (Megatron-LM asserts many flags bare)."""
+
+
+def _assertion_message(err: AssertionError) -> str:
+    message = " ".join(str(err).split())
+    if message:
+        return message
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{(frame.line or 'assert').strip()} ({os.path.basename(frame.filename)}:{frame.lineno})"
+
+
+@contextlib.contextmanager
+def _assertions_refuse() -> Iterator[None]:
+    """An ``AssertionError`` raised inside becomes :class:`ArgumentsRefused`."""
+    try:
+        yield
+    except AssertionError as err:
+        raise ArgumentsRefused(_assertion_message(err)) from err
+
+
+def run_pretrain(extra_args_provider: Callable, args_defaults: dict, precheck_args: Callable[[Any], None],
+                 check_args: Callable[[Any], None], dataset_provider: Callable, model_provider: Callable,
+                 forward_step: Callable) -> None:
     """``megatron.training.pretrain`` for a GPT model built by ``model_provider``, on Megatron-LM's
-    command line with ``extra_args_provider``'s flags and ``args_defaults``. ``check_args`` gets the
-    parsed, validated arguments before the process group starts and before any model is built."""
+    command line with ``extra_args_provider``'s flags and ``args_defaults``. ``precheck_args`` gets the
+    parsed arguments before Megatron-LM validates them (to name the flags its bare assertions would
+    refuse), ``check_args`` the validated ones, before the process group starts and before any model is
+    built. Raises :class:`ArgumentsRefused` when Megatron-LM's validation asserts."""
     from megatron.core.enums import ModelType
-    from megatron.training import training
+    from megatron.training import arguments, training
 
     parameters = list(inspect.signature(training.pretrain).parameters)
     if "cfg_container" not in parameters:
         # 0.17: (train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, ...,
         # extra_args_provider, args_defaults, ...): it parses the command line itself
-        with _checked_before_global_args(check_args):
+        with _checked_while_initializing(precheck_args, check_args):
             training.pretrain(dataset_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
                               extra_args_provider=extra_args_provider, args_defaults=args_defaults)
         return
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
 
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+    with _prechecked(arguments, precheck_args), _assertions_refuse():
+        args = arguments.parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     check_args(args)
     with warnings.catch_warnings():  # "a ModelConfig is recommended": this model comes from model_provider
         warnings.simplefilter("ignore")
@@ -205,9 +235,30 @@ def run_pretrain(extra_args_provider: Callable, args_defaults: dict, check_args:
 
 
 @contextlib.contextmanager
-def _checked_before_global_args(check_args: Callable[[Any], None]) -> Iterator[None]:
+def _prechecked(module: Any, precheck_args: Callable[[Any], None]) -> Iterator[None]:
+    """``module.validate_args`` (the name its caller looks up: ``arguments`` on 0.18+, ``initialize``
+    on 0.17) runs ``precheck_args`` on the arguments first, and its assertions are refusals."""
+    validate_args = module.validate_args
+
+    @functools.wraps(validate_args)
+    def prechecked_validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        precheck_args(args)
+        with _assertions_refuse():
+            return validate_args(args, *rest, **kwargs)
+
+    module.validate_args = prechecked_validate_args
+    try:
+        yield
+    finally:
+        module.validate_args = validate_args
+
+
+@contextlib.contextmanager
+def _checked_while_initializing(precheck_args: Callable[[Any], None],
+                                check_args: Callable[[Any], None]) -> Iterator[None]:
     """0.17's ``initialize_megatron`` parses and validates the arguments, then hands them to
-    ``set_global_variables`` before starting the process group: ``check_args`` runs there first."""
+    ``set_global_variables`` before starting the process group: ``precheck_args`` runs before the
+    validation, ``check_args`` before ``set_global_variables``, whose assertions are refusals too."""
     from megatron.training import initialize
 
     set_global_variables = initialize.set_global_variables
@@ -215,13 +266,26 @@ def _checked_before_global_args(check_args: Callable[[Any], None]) -> Iterator[N
     @functools.wraps(set_global_variables)
     def checked_set_global_variables(args: Any, *rest: Any, **kwargs: Any) -> Any:
         check_args(args)
-        return set_global_variables(args, *rest, **kwargs)
+        with _assertions_refuse():
+            return set_global_variables(args, *rest, **kwargs)
 
     initialize.set_global_variables = checked_set_global_variables
     try:
-        yield
+        with _prechecked(initialize, precheck_args):
+            yield
     finally:
         initialize.set_global_variables = set_global_variables
+
+
+def tokenizer_vocab_size(args: Any) -> int:
+    """The vocabulary size of the tokenizer Megatron-LM trains with (before padding): 0.18+ built it
+    while parsing, before the checks run; 0.17 builds it later (``set_global_variables``), so it is
+    built here for the checks."""
+    from megatron.training import global_vars
+
+    if global_vars._GLOBAL_TOKENIZER is not None:
+        return global_vars._GLOBAL_TOKENIZER.vocab_size
+    return global_vars.build_tokenizer(args).vocab_size
 
 
 def batch_on_this_cp_rank(batch: dict, cp_group: Any) -> dict:
