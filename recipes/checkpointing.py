@@ -30,10 +30,11 @@ import shutil
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -46,6 +47,7 @@ from megatron_llep.placement import (
     write_checkpoint_placement,
 )
 from recipes import watchdog
+from recipes.dashboard import readable_bytes
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checkpoint_manifest.json"
@@ -55,6 +57,7 @@ _NO_MANIFEST = f"no {MANIFEST_FILE} (a save that did not finish, or not written 
 # checkpoint from before manifests existed is accepted only with it
 LEGACY_COMPLETE_MARK = ".metadata"
 _ITERATION_DIR = re.compile(r"iter_(\d+)")
+_STAGING_DIR = re.compile(r"iter_\d+\.tmp")
 _RANK_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist shard files: [prefix]__<writing rank>_<i>.distcp
 # Megatron-LM's default: distributed-optimizer state saved by every rank in parallel, reshardable
 # across data-parallel sizes
@@ -63,6 +66,10 @@ SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or from an incompatible run."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank (one line: why, the space it needs and has, what to do)."""
 
 
 @dataclass
@@ -408,15 +415,15 @@ def save_checkpoint(
     A model placed with a CAP placement is saved in its physical expert order, with the placement
     recorded next to it (``expert_placement.json``; see :mod:`megatron_llep.placement.apply` for
     restoring the original order). ``verify``: what the manifest records, ``"sha256"`` (sizes and
-    checksums) or ``"size"``."""
+    checksums) or ``"size"``.
+
+    A save that fails on any rank (a full disk) raises :class:`CheckpointSaveError` on every rank,
+    once its partial files are removed (they would hold the space every retry needs): the ranks
+    agree after each step, so none is left waiting in a collective the failed one never joins."""
     final = _iteration_dir(root, progress.iteration)
     staging = final + ".tmp"
+    rank = dist.get_rank()
     watchdog.progress(f"saving {final}")
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    dist.barrier()
     state = _sharded_state(model, optimizer, is_loading=False)
     state.update(
         iteration=progress.iteration,
@@ -425,20 +432,94 @@ def save_checkpoint(
         run_info=run_info,
         world_size=dist.get_world_size(),
     )
-    mcore.collect_checkpoint_writes_in_process()
-    with writers_die_with_this_process():
-        dist_checkpointing.save(state, staging)
-    dist.barrier()
-    if dist.get_rank() == 0 and placement is not None:
-        write_checkpoint_placement(staging, placement)
-    write_manifest(staging, verify)
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        _fsync_directory(root)
-        _write_atomically(os.path.join(root, LATEST_FILE), str(progress.iteration))
-    dist.barrier()
+
+    recorded: list[BaseException] = []  # write errors, where they happened (mcore.recorded_checkpoint_write_errors)
+
+    def stage() -> None:
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            for name in os.listdir(root):  # failed or killed saves' (one run per --save: recipes/save_lock.py)
+                if _STAGING_DIR.fullmatch(name):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            os.makedirs(staging)
+
+    def write() -> None:
+        mcore.collect_checkpoint_writes_in_process()
+        with mcore.recorded_checkpoint_write_errors(recorded), writers_die_with_this_process():
+            dist_checkpointing.save(state, staging)
+        if rank == 0 and placement is not None:
+            write_checkpoint_placement(staging, placement)
+
+    def publish() -> None:
+        if rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(staging, final)
+            _fsync_directory(root)
+            _write_atomically(os.path.join(root, LATEST_FILE), str(progress.iteration))
+
+    sizes = [0] * dist.get_world_size()
+    dist.all_gather_object(sizes, _bytes_to_write(state))
+    for step in (stage, write, lambda: write_manifest(staging, verify), publish):
+        failure = _agreed_failure(step, recorded)
+        if failure:
+            if rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                if latest_iteration(root) != progress.iteration:
+                    shutil.rmtree(final, ignore_errors=True)
+            raise CheckpointSaveError(_save_failure_message(root, progress.iteration, staging, failure, sum(sizes)))
     return final
+
+
+def _agreed_failure(step: Callable[[], None], recorded: list[BaseException]) -> Optional[str]:
+    """Run this rank's part of a save step; every rank gets the first rank's error that says most
+    (one ``recorded`` where it happened, else one raised), ``None`` when all succeeded. Collective."""
+    raised = None
+    try:
+        step()
+    except (Exception, CheckpointException) as err:  # every rank must get to the agreement below
+        raised = err
+    mine = [f"rank {dist.get_rank()}: {_one_line(e)}" for e in (*recorded[:1], *([raised] if raised else []))]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (bool(recorded), mine))
+    found = sorted((not was_recorded, rank, lines[0]) for rank, (was_recorded, lines) in enumerate(everyone) if lines)
+    return found[0][2] if found else None
+
+
+def _one_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _bytes_to_write(state: dict[str, Any]) -> int:
+    """The bytes of the tensors this rank writes of ``state`` (the shards it holds the main copy of)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, is_main_replica
+
+    def tensor_bytes(value: Any) -> int:
+        if torch.is_tensor(value):
+            return value.numel() * value.element_size()
+        if isinstance(value, dict):
+            return sum(tensor_bytes(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return sum(tensor_bytes(v) for v in value)
+        return 0
+
+    return sum(tensor_bytes(v.data) for v in nested_values(state)
+               if isinstance(v, ShardedBase) and is_main_replica(v.replica_id))
+
+
+def _save_failure_message(root: str, iteration: int, staging: str, failure: str, tensor_bytes: int) -> str:
+    """One line: what failed where, what was removed, the space a save needs (what the latest
+    checkpoint takes, else this save's tensors) and the free space, what to do."""
+    latest = latest_iteration(root)
+    kept, needed = "nothing was saved before", tensor_bytes
+    if latest is not None and os.path.isdir(_iteration_dir(root, latest)):
+        kept = f"the latest checkpoint is still iteration {latest}"
+        needed = sum(os.path.getsize(os.path.join(_iteration_dir(root, latest), name))
+                     for name in _checkpoint_files(_iteration_dir(root, latest)))
+    free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+    return (f"saving iteration {iteration} to {root} failed ({failure}); removed its partial {staging}, {kept}; "
+            f"a save needs about {readable_bytes(needed)}, {root} has {readable_bytes(free)} free: free space there "
+            f"or give --save another directory, then resume with --load {root}")
 
 
 def load_checkpoint(

@@ -188,7 +188,8 @@ def llep_summary(metrics: dict[str, float]) -> str:
 
 
 
-def _bytes(count: float) -> str:
+def readable_bytes(count: float) -> str:
+    """``count`` bytes in GiB, MiB, KiB or B, one decimal."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= size:
             return f"{count / size:.1f} {unit}"
@@ -213,7 +214,8 @@ def pruning_summary(metrics: dict[str, float], pruning: Optional[Any] = None,
         parts.append(f"other-node devices/token {m['prune/cross_node_devices_per_token_unpruned']:.2f} -> "
                      f"{m['prune/cross_node_devices_per_token']:.2f}")
     parts.append(f"{m['prune/dropped_pair_fraction']:.1%} pairs dropped ({m['prune/dropped_pairs']:.0f})")
-    parts.append(f"all-to-all {_bytes(m['prune/alltoall_bytes_unpruned'])} -> {_bytes(m['prune/alltoall_bytes'])}")
+    parts.append(f"all-to-all {readable_bytes(m['prune/alltoall_bytes_unpruned'])} -> "
+                 f"{readable_bytes(m['prune/alltoall_bytes'])}")
     return ", ".join(parts)
 
 

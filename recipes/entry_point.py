@@ -13,6 +13,7 @@ import argparse
 import datetime
 import math
 import os
+import signal
 import sys
 import time
 from typing import NoReturn, Optional, Sequence
@@ -107,14 +108,16 @@ class EntryPoint:
         if rank == 0:
             print(f"[{self.name}] {message}", flush=True)
 
-    def fail(self, err: Exception, rank: int) -> NoReturn:
-        """Bad input found on every rank alike: one message (rank 0's), exit status 2, no traceback."""
+    def fail(self, err: Exception, rank: int, status: int = 2) -> NoReturn:
+        """An error found on every rank alike: one message (rank 0's), no traceback, exit ``status``
+        (2: bad input; 1: a run that failed, e.g. a save on a full disk)."""
         del rank  # every rank finds it; rank 0 reports it and the launcher ends the others
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's SIGTERM ends us, whatever the run set
         wait_for_rank_zero_report()
         print(f"[{self.name}] error: {err}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
-        raise SystemExit(2)
+        raise SystemExit(status)
 
     def init_distributed(self, timeout: Optional[datetime.timedelta] = None) -> tuple[int, int, torch.device]:
         """Process group from torchrun's (or slurm's) environment: NCCL on GPUs, gloo + the CPU

@@ -319,8 +319,11 @@ def _save(args, model, optimizer, scheduler, progress, run_info: dict, placement
 
     _progress(dist.get_rank(), f"saving iteration {progress.iteration} to {args.save}")
     start = time.perf_counter()
-    directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement,
-                                              verify=args.checkpoint_verify)
+    try:
+        directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info,
+                                                  placement, verify=args.checkpoint_verify)
+    except checkpointing.CheckpointSaveError as err:  # the run stops: going on would train what cannot be saved
+        ENTRY.fail(err, dist.get_rank(), status=1)
     if is_logger:
         print(f"[finetune] saved {directory} in {time.perf_counter() - start:.1f} s", flush=True)
     return directory

@@ -64,7 +64,24 @@ def _router_rows_stay():
         apply.router_expert_tensors = original
 
 
-BROKEN_MAPPINGS = {"wrong_expert_sent": _wrong_expert_sent, "router_rows_stay": _router_rows_stay}
+@contextlib.contextmanager
+def _loader_on_the_dropout_generator():
+    """Negative control: Megatron-LM's data loaders draw from the generator dropout uses on CPU."""
+    from megatron.training import training
+
+    from megatron_llep.compat import megatron_training_cpu
+
+    megatron_training_cpu.enable()
+    own_generator = training.build_pretraining_data_loader
+    training.build_pretraining_data_loader = own_generator.__wrapped__
+    try:
+        yield
+    finally:
+        training.build_pretraining_data_loader = own_generator
+
+
+BROKEN_MAPPINGS = {"wrong_expert_sent": _wrong_expert_sent, "router_rows_stay": _router_rows_stay,
+                   "loader_on_the_dropout_generator": _loader_on_the_dropout_generator}
 
 
 def main(out_dir: str, spec_path: str) -> None:

@@ -7,6 +7,9 @@
 * kill -9 of a rank during a save: no process of the job survives, and the resumed run (which also
   skips a damaged newest checkpoint) continues with the losses the killed run had (bitwise resume
   is tested in test_finetune.py);
+* a full disk during a save (one rank's shard, or a file rank 0 writes alone): the run ends with
+  one line and exit status 1, its partial directory removed, the previous checkpoint the latest;
+  a retry resumes from it;
 * SIGSTOP of a rank: the watchdog ends the job with one line naming the stopped rank.
 """
 
@@ -350,6 +353,73 @@ def test_no_complete_checkpoint_is_one_line_and_exit_2(tmp_path):
                       "recipes/checkpointing.py)): move the damaged checkpoints away or point --load at another "
                       "directory"], proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr and "exitcode  : 2" in proc.stderr
+
+
+# --- a full disk during a save --------------------------------------------------------------------------
+
+def _full_disk_run(what: str, rank: int, iteration: int, *args) -> subprocess.CompletedProcess:
+    """recipes/finetune.py on 2 ranks whose save of ``iteration`` hits a full disk (tests/full_disk_worker.py)."""
+    worker = os.path.join(ROOT, "tests", "full_disk_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker, what, str(rank),
+           str(iteration), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _the_one_error(proc: subprocess.CompletedProcess) -> str:
+    """The run failed (exit status 1, no traceback, no watchdog) with exactly one error line: returned."""
+    assert proc.returncode != 0 and "exitcode  : 1 " in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line or "No space" in line]
+    assert len(errors) == 1 and errors[0].startswith("[finetune] error: "), proc.stderr[-3000:]
+    assert "]: Traceback" not in proc.stderr and "no progress" not in proc.stderr, proc.stderr[-3000:]  # a rank's
+    return errors[0]
+
+
+def _intact(directory) -> bool:
+    """Every file the manifest lists, with its size and SHA-256."""
+    manifest = json.loads((directory / "checkpoint_manifest.json").read_text())["files"]
+    return bool(manifest) and all(
+        (directory / name).stat().st_size == entry["size"]
+        and hashlib.sha256((directory / name).read_bytes()).hexdigest() == entry["sha256"]
+        for name, entry in manifest.items())
+
+
+def test_a_full_disk_in_a_periodic_save_stops_the_run_in_one_line(tmp_path):
+    """Rank 1's shard of the iteration-4 save hits a full disk: the run stops there (it would train
+    what it cannot save) with one line naming the save, the error, the space a save needs and the
+    space free; its partial directory is gone, as is the one a killed save had left, and the
+    iteration-2 checkpoint is the latest, intact."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000001.tmp").mkdir(parents=True)  # a killed save's, holding space
+    (ckpt / "iter_0000001.tmp" / "__0_0.distcp").write_bytes(b"\0" * 4096)
+    proc = _full_disk_run("shard", 1, 4, *SMALL, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "2")
+    error = _the_one_error(proc)
+    assert sorted(_steps(proc.stdout)) == [1, 2, 3, 4]
+    previous = sum(p.stat().st_size for p in (ckpt / "iter_0000002").iterdir() if p.name != "checkpoint_manifest.json")
+    assert error.startswith(
+        f"[finetune] error: saving iteration 4 to {ckpt} failed (rank 1: [Errno 28] No space left on device); "
+        f"removed its partial {ckpt}/iter_0000004.tmp, the latest checkpoint is still iteration 2; a save needs "
+        f"about {previous / 2**20:.1f} MiB, {ckpt} has "), error
+    assert error.endswith(" free: free space there or give --save another directory, then resume with --load "
+                          f"{ckpt}"), error
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2" and _intact(ckpt / "iter_0000002")
+
+
+def test_a_full_disk_in_the_final_save_on_rank_0_alone_then_a_retry_resumes(tmp_path):
+    """The last save's metadata.json, which rank 0 writes alone while rank 1 waits in a barrier,
+    hits a full disk: no rank hangs, one line, the partial directory is gone; the retry loads the
+    iteration-2 checkpoint, repeats step 3 exactly and saves."""
+    ckpt = tmp_path / "ckpt"
+    args = [*SMALL, "--train-iters", "3", "--save", str(ckpt)]
+    failed = _full_disk_run("metadata", 0, 3, *args, "--save-interval", "2")
+    assert _the_one_error(failed).startswith(
+        f"[finetune] error: saving iteration 3 to {ckpt} failed (rank 0: [Errno 28] No space left on device); "
+        f"removed its partial {ckpt}/iter_0000003.tmp, the latest checkpoint is still iteration 2; ")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    retried = _run(*args, "--load", str(ckpt))
+    assert f"resumed from {ckpt} at iteration 2" in retried.stdout
+    assert _steps(retried.stdout) == {3: _steps(failed.stdout)[3]}
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3" and _intact(ckpt / "iter_0000003")
 
 
 # --- a stopped rank ------------------------------------------------------------------------------------

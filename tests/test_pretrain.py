@@ -3,8 +3,8 @@ plus the megatron_llep.megatron_lm plugin) on CPU, gloo, 2 ranks, a tiny GPT MoE
 indexed dataset built here: LLEP and plain EP give the same losses and grad norms under forced
 imbalance while LLEP really spills (statistics read back from Megatron-LM's writers, wandb
 included); a broken LLEP mapping fails that comparison; resuming from a checkpoint continues
-exactly. Needs megatron.training (megatron-core >= 0.17); the 0.16 wheels have none: there the
-entry point must refuse in one line."""
+exactly, dropout included. Needs megatron.training (megatron-core >= 0.17); the 0.16 wheels have
+none: there the entry point must refuse in one line."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ TRAINING = ["--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--adam-eps", "1e-4", "--clip-grad", "1.0",
             "--seed", "1234", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "258", "--split", "90,5,5"]
+DROPOUT = [*MODEL[:MODEL.index("--hidden-dropout")], "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+           *MODEL[MODEL.index("--attention-dropout") + 2:]]
 FORCED = ["--force-routing", "0.9:1"]  # 90% of the tokens take expert 0 (EP rank 0) as one of their two experts
 LLEP = ["--llep", "--llep-min-chunk-tokens", "1", "--no-llep-cost-aware"]
 
@@ -65,7 +67,9 @@ def runs(tmp_path_factory) -> dict:
     records; a text file of made-up documents), blended 70/30, then runs, all under forced
     imbalance: plain EP, LLEP (checkpoint at iteration 2, wandb offline), LLEP sending a wrong
     expert's weights, LLEP resumed from iteration 2, LLEP with every expert moved by a placement,
-    and that placement with the router rows left behind."""
+    and that placement with the router rows left behind; then, with dropout and without forced
+    routing, plain EP (checkpoint at iteration 2) and three runs resumed from it: as is, with
+    --no-load-rng, and with the data loaders drawing from dropout's generator."""
     from megatron_llep.placement import ExpertPlacement
 
     out = tmp_path_factory.mktemp("pretrain")
@@ -75,6 +79,9 @@ def runs(tmp_path_factory) -> dict:
     data = ["--data-path", "0.7", str(out / "sft_text_document"), "0.3", str(out / "notes_text_document"),
             "--data-cache-path", str(out / "cache")]
     common = [*MODEL, *TRAINING, *data, "--tensorboard-dir", str(out / "tb")]
+    dropout = [*DROPOUT, *common[len(MODEL):], "--train-iters", str(ITERS)]
+    dropout_ckpt = str(out / "dropout_ckpt")
+    dropout_resumed = [*dropout, "--load", dropout_ckpt, "--ckpt-step", "2"]
     forced = [*common, *FORCED]
     ckpt = str(out / "ckpt")
     # every expert moves: the two ranks swap halves, and each half is reversed
@@ -90,6 +97,10 @@ def runs(tmp_path_factory) -> dict:
         {"name": "resumed", "argv": [*forced, *LLEP, "--train-iters", str(ITERS), "--load", ckpt, "--ckpt-step", "2"]},
         {"name": "placed", "argv": [*placed, "--train-iters", "2"]},
         {"name": "placed_broken", "argv": [*placed, "--train-iters", "2"], "broken": "router_rows_stay"},
+        {"name": "dropout", "argv": [*dropout, "--save", dropout_ckpt, "--save-interval", "2"]},
+        {"name": "dropout_resumed", "argv": dropout_resumed},
+        {"name": "dropout_no_load_rng", "argv": [*dropout_resumed, "--no-load-rng"]},
+        {"name": "dropout_loader_rng", "argv": dropout_resumed, "broken": "loader_on_the_dropout_generator"},
     ]
     (out / "spec.json").write_text(json.dumps({"datasets": datasets, "runs": runs}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
@@ -184,6 +195,20 @@ def test_resume_continues_exactly(runs):
     for key in ("lm loss", "grad-norm", "moe/layer_1/spilled_tokens"):
         for step in ("3", "4"):
             assert resumed[key][step] == llep[key][step], (key, step)
+
+
+@needs_megatron_training
+def test_resume_with_dropout_continues_exactly(runs):
+    """Megatron-LM's checkpoint carries the RNG states dropout draws from; on CPU the data loaders
+    must not draw from the same generator after they were restored."""
+    scalars = runs["scalars"]
+    full, resumed = scalars["dropout"], scalars["dropout_resumed"]
+    assert sorted(int(step) for step in resumed["lm loss"]) == [3, 4]
+    for key in ("lm loss", "grad-norm"):
+        assert [resumed[key][step] for step in ("3", "4")] == [full[key][step] for step in ("3", "4")], key
+    # negative controls: other dropout masks give other losses
+    for name in ("dropout_no_load_rng", "dropout_loader_rng"):
+        assert scalars[name]["lm loss"]["3"] != full["lm loss"]["3"], name
 
 
 @pytest.mark.skipif(HAVE_MEGATRON_TRAINING, reason="megatron.training is installed (the refusal is for 0.16 wheels)")

@@ -14,15 +14,18 @@ What differs (docs/compat.md has the full table):
   in 0.18.
 * ``dist_checkpointing`` writes a rank's shards from forked processes in 0.16 and from threads
   in 0.19; both return the results through a Manager process (see
-  :func:`collect_checkpoint_writes_in_process`).
+  :func:`collect_checkpoint_writes_in_process`). A failed shard write reaches the coordinator's
+  exception as text in 0.16 and as its type alone in 0.19 (see :func:`recorded_checkpoint_write_errors`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import megatron.core
 import torch
@@ -186,3 +189,78 @@ def moe_layer_number(layer: torch.nn.Module) -> Optional[int]:
     if number is not None and getattr(layer, "is_mtp_layer", False):
         number = number + layer.config.num_layers
     return number
+
+
+@contextlib.contextmanager
+def recorded_checkpoint_write_errors(errors: list[BaseException]) -> Iterator[None]:
+    """Inside the block, this rank's write errors in ``dist_checkpointing.save`` (a full disk) land
+    in ``errors``, so that every rank gets through the save's collectives to its caller's
+    agreement on whether the save failed, knowing why:
+
+    * a shard write: Megatron-Core makes every rank raise after the save's last collective, but
+      with the error's text on the coordinator only (0.16) or nowhere (0.19 keeps its type):
+      recorded where it happens (0.19's writer threads; 0.16's forked writers' result, read back
+      in this process);
+    * an ``OSError`` in a write one rank does alone before a collective the others already wait in
+      (the coordinator's ``.metadata``, rank 0's ``metadata.json``, 0.16's ``common.pt``): recorded
+      instead of raised, and the save goes on.
+
+    The writer's own error log lines are dropped: each is about an error recorded here, which the
+    caller reports in its one line.
+    """
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import common, filesystem_async
+
+    writer = filesystem_async.FileSystemWriterAsync
+    write_shards, retrieve = writer.write_preloaded_data, writer.retrieve_write_results
+
+    @functools.wraps(write_shards)
+    def write_shards_recorded(*args: Any, **kwargs: Any) -> Any:
+        output = write_shards(*args, **kwargs)
+        if output is not None and isinstance(output[1], BaseException):
+            errors.append(output[1])
+        return output
+
+    @functools.wraps(retrieve)
+    def retrieve_recorded(self: Any) -> Any:
+        results = retrieve(self)
+        if isinstance(results, tuple) and not errors:  # (exception, traceback): 0.16's forked writer failed
+            errors.append(results[0].__cause__ or results[0])
+        return results
+
+    def deferred(write: Callable) -> Callable:
+        @functools.wraps(write)
+        def write_or_record(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return write(*args, **kwargs)
+            except OSError as err:
+                errors.append(err)
+                return None
+
+        return write_or_record
+
+    patches = [(writer, "write_preloaded_data", staticmethod(write_shards_recorded)),
+               (writer, "retrieve_write_results", retrieve_recorded), (writer, "finish", deferred(writer.finish)),
+               (serialization, "save_config", deferred(serialization.save_config))]
+    if hasattr(common, "TorchCommonSaveStrategy"):  # 0.16: common.pt, written before the shards
+        patches.append((common.TorchCommonSaveStrategy, "save_common",
+                        deferred(common.TorchCommonSaveStrategy.save_common)))
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    writer_log = logging.getLogger(filesystem_async.__name__)
+    quiet = _BelowError()
+    writer_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        writer_log.removeFilter(quiet)
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+class _BelowError(logging.Filter):
+    """Lets a logger's records below ERROR through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR

@@ -9,7 +9,12 @@ On top of :mod:`megatron_llep.compat.cpu_gloo` (Megatron-Core on CPU), Megatron-
   ``torch.cuda.device_count() > 0``, and then calls ``torch.cuda.set_device``: it sees one pretend
   device while it runs;
 * flags: the local (non Transformer Engine) layer spec and attention, no persistent layer norm, the
-  gloo backend, none of the fusions that need CUDA extensions (:data:`CPU_FLAGS`).
+  gloo backend, none of the fusions that need CUDA extensions (:data:`CPU_FLAGS`);
+* its data loaders draw their workers' base seed from the CPU generator each time they are iterated
+  (when the iterators are built, after a resumed run restored the checkpoint's RNG state; and when
+  a cyclic one starts over). On GPUs that leaves dropout's CUDA generator alone; on CPU the CUDA
+  generator *is* the CPU one, so a resumed run would draw every dropout mask from a shifted
+  state: :func:`_loader_with_own_generator` gives each loader a generator of its own.
 
 Megatron's RNG tracker warns "CPU RNG state changed within GPU RNG context" after every dropout
 under its fork; on CPU the "GPU" generator *is* the CPU one (``cpu_gloo`` maps it there), so the
@@ -23,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -75,6 +80,20 @@ def _one_pretend_cuda_device() -> Iterator[None]:
         torch.cuda.device_count, torch.cuda.set_device = saved
 
 
+def _loader_with_own_generator(build_pretraining_data_loader: Callable) -> Callable:
+    """Megatron-LM's ``build_pretraining_data_loader`` whose torch ``DataLoader`` draws from a
+    generator of its own, not from the one dropout uses on CPU."""
+
+    @functools.wraps(build_pretraining_data_loader)
+    def build(*args, **kwargs):
+        loader = build_pretraining_data_loader(*args, **kwargs)
+        if isinstance(loader, torch.utils.data.DataLoader):  # not an external one
+            loader.generator = torch.Generator()
+        return loader
+
+    return build
+
+
 def enable() -> bool:
     """Install the patches once per process (after :func:`cpu_gloo.enable`). Returns False, and
     patches nothing, under CUDA."""
@@ -93,6 +112,7 @@ def enable() -> bool:
             return initialize_megatron(*args, **dict(kwargs, allow_no_cuda=True))
 
     training.initialize_megatron = initialize_megatron_on_cpu
+    training.build_pretraining_data_loader = _loader_with_own_generator(training.build_pretraining_data_loader)
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_CpuRngForkNote())
     _ENABLED = True
     return True

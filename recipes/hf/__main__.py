@@ -109,8 +109,11 @@ def run_import(args: argparse.Namespace, rest: list[str]) -> str:
     # the distributed optimizer's sharded state needs Adam's (zero) state entries before any step
     checkpointing._create_empty_adam_state(optimizer)
     run_info = finetune.run_info_for(fargs, layout, world, hf_config)
-    directory = checkpointing.save_checkpoint(args.out, model, optimizer, scheduler, checkpointing.TrainingProgress(),
-                                              run_info)
+    try:
+        directory = checkpointing.save_checkpoint(args.out, model, optimizer, scheduler,
+                                                  checkpointing.TrainingProgress(), run_info)
+    except checkpointing.CheckpointSaveError as err:  # e.g. a full disk: one line, the partial files removed
+        _fail(str(err))
     _log(f"wrote {directory} ({recipe.name}, TP={layout['tp']} PP={layout['pp']} EP={layout['ep']}); fine-tune with: "
          f"recipes/finetune.py --recipe {args.recipe} --load {args.out} --save {args.out} "
          f"{' '.join(rest)}".rstrip())
