@@ -9,7 +9,11 @@ against the force-balanced ideal (stock EP on balanced routing, a third layer wi
 weights), forward+backward time, and per-rank peak memory of a forward+backward step. EP, LLEP and
 the ideal run alternately at every point, so every ratio compares timings of the same minutes.
 
-Peak memory: the rise of the process's peak resident set (Linux ``VmHWM``, reset through
+Peak memory, two measures. Live tensor bytes (``*_live_peak_mb``, EP, LLEP and the ideal): the
+peak over one forward+backward of the bytes of tensor storages alive
+(:class:`megatron_llep.testing.memory.LiveTensors`), the same on every run; it agrees with
+torch.profiler's allocation events within the input's copy. And the resident set (``*_peak_mb``):
+the rise of the process's peak resident set (Linux ``VmHWM``, reset through
 ``/proc/self/clear_refs``) above its resident set just before the step. For that step glibc's mmap
 threshold is set to 64 KiB (``mallopt``), so every tensor buffer is its own mapping and returns to
 the OS when freed: the high-water mark then follows the live tensor bytes. Timed runs behave like
@@ -20,6 +24,12 @@ default 128 KiB trim threshold (which setting the mmap threshold freezes), every
 the heap went back to the OS and the next allocation faulted its pages in again: 29 MB gathers took
 12 ms instead of 2 ms; without the pre-faulted heap, a layer whose buffers fragment the heap grew it
 into fresh pages now and then (LLEP's 11.8 MB combine gather: 25-43 ms instead of 1 ms).
+The resident set overstates the live set and moves with the process's history, most likely
+because buffers of the timed runs still alive pin the heap, so the step's large allocations are
+served from the heap's free chunks (glibc maps fresh memory only when no free chunk fits), whose
+pages stay resident when freed. A probe on 2026-12-06 saw the hot rank's RSS peak at 209 MB late in backward while 54 MB of
+tensors were alive (live peak 154 MB), and the same plain-EP code measured 225-275 MB in
+successive runs.
 
 The LLEP cost model is calibrated on this machine first (expert GEMM timings, gloo send/recv
 bandwidth between the two ranks), so cost-aware spilling judges CPU, not H200, numbers.
@@ -144,6 +154,7 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
     import torch.distributed as dist
 
     from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.testing.memory import step_live_bytes
     from megatron_llep.testing.moe import init_expert_parallel
 
     init_expert_parallel(world)
@@ -209,6 +220,11 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
                 mem_all = torch.tensor([float(mem)])
                 dist.all_reduce(mem_all, op=dist.ReduceOp.MAX)
                 row[f"{name}_peak_mb"] = float(mem_all) / 1e6
+            for name, layer in layers.items():  # live tensor bytes: deterministic, after the RSS probe
+                layer.zero_grad(set_to_none=True)
+                xi = x.clone().requires_grad_()
+                live = step_live_bytes(lambda: layer(xi)[0], lambda out: out.sum().backward(), stacks=False)
+                row[f"{name}_live_peak_mb"] = group_max(float(live.peak.bytes)) / 1e6
             fwd_bwd = {name: [] for name in layers}
             for _ in range(max(1, repeats // 2)):
                 for name, layer in layers.items():
@@ -283,7 +299,9 @@ def main() -> None:
         ("ep_ms", "EP fwd ms", ".1f"), ("llep_ms", "LLEP fwd ms", ".1f"), ("ideal_ms", "ideal fwd ms", ".1f"),
         ("speedup", "EP/LLEP", ".2f"), ("llep_vs_ideal", "LLEP/ideal", ".2f"), ("ep_fwd_bwd_ms", "EP f+b ms", ".1f"),
         ("llep_fwd_bwd_ms", "LLEP f+b ms", ".1f"), ("llep_vs_ideal_fwd_bwd", "LLEP/ideal f+b", ".2f"),
-        ("ep_peak_mb", "EP peak MB", ".1f"), ("llep_peak_mb", "LLEP peak MB", ".1f"), ("weight_mb", "weights MB", ".1f"),
+        ("ep_peak_mb", "EP peak MB", ".1f"), ("llep_peak_mb", "LLEP peak MB", ".1f"),
+        ("ep_live_peak_mb", "EP live MB", ".1f"), ("llep_live_peak_mb", "LLEP live MB", ".1f"),
+        ("ideal_live_peak_mb", "ideal live MB", ".1f"), ("weight_mb", "weights MB", ".1f"),
         ("plan_ms", "plan ms", ".2f"),
     ]
     print_table(rows, columns)

@@ -132,7 +132,14 @@ class LLEPMoELayer(MoELayer):
                 if borrowed:
                     borrowed_outputs += self.expert_adapter.forward_borrowed(hidden, counts, slot_probs, borrowed, slot)
                     slot += len(borrowed)
-        return dispatcher.combine_preprocess(torch.cat([output, *borrowed_outputs], dim=0)), None
+        if exchange is not None and not torch.is_grad_enabled() and not dispatcher.training_forward_without_grad():
+            exchange.release_received()  # no backward or recompute will use them
+        if borrowed_outputs:
+            # the slots' outputs in one tensor for the combine permutation; the parts are not needed
+            # by autograd (cat saves none), so drop them before the permutation's copy exists
+            output = torch.cat([output, *borrowed_outputs], dim=0)
+            del borrowed_outputs
+        return dispatcher.combine_preprocess(output), None
 
 
 def with_llep(spec: Any, llep_config: Optional[LLEPConfig] = None) -> Any:

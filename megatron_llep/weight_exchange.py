@@ -79,6 +79,7 @@ class ExpertWeightExchange:
         self.sent_experts = sorted({expert for expert, _ in self.sends})
         specs = adapter.tensor_specs()
         self.specs = specs
+        self.device = device
         self.received = {
             expert: [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
             for expert, _ in self.receives
@@ -145,6 +146,13 @@ class ExpertWeightExchange:
         borrowed = [list(flat[i * per_expert : (i + 1) * per_expert]) for i in range(len(flat) // per_expert)]
         return anchor_out, borrowed
 
+    def release_received(self) -> None:
+        """Drop this exchange's references to the received weights (after their last use: the end
+        of the step's backward, or of a forward that no backward or recompute follows). Autograd
+        keeps what it saved for the borrowed GEMMs' backward; the rest is freed now rather than
+        when the layer's next step replaces this exchange."""
+        self.received = {}
+
     def wait(self, wave: int) -> None:
         for work in self._pending.pop(wave, []):
             work.wait()
@@ -157,9 +165,9 @@ class ExpertWeightExchange:
         ops = []
         for k, i in enumerate(self.wave_receives[wave]):
             expert, native = self.receives[i]
-            for j, buffer in enumerate(self.received[expert]):
+            for j, (shape, dtype) in enumerate(self.specs):
                 grad = grads[k * per_expert + j]
-                grad = torch.zeros_like(buffer) if grad is None else grad.contiguous()
+                grad = torch.zeros(shape, dtype=dtype, device=self.device) if grad is None else grad.contiguous()
                 self._gradients_out.append(grad)
                 ops.append(dist.P2POp(dist.isend, grad, self._peer(native), self.group))
         for expert, helper in self.wave_sends[wave]:
@@ -184,6 +192,7 @@ class ExpertWeightExchange:
         incoming = self._gradients_in
         self._gradient_works, self._gradients_out, self._gradients_in = [], [], {}
         self._gradient_waves_posted = 0
+        self.release_received()  # the step's backward is done with the borrowed weights
         per_expert = len(self.specs)
         result: list[Optional[torch.Tensor]] = []
         for expert in self.sent_experts:

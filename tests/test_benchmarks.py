@@ -43,7 +43,7 @@ def test_layer_cpu_smoke(tmp_path):
     assert hot["mode"] in ("llep", "plain") and hot["max_mean_before"] > 1.5
     assert hot["max_mean_after"] <= hot["max_mean_before"]
     for key in ("ep_ms", "llep_ms", "ideal_ms", "ep_peak_mb", "llep_peak_mb", "ep_fwd_bwd_ms", "llep_fwd_bwd_ms",
-                "ideal_fwd_bwd_ms"):
+                "ideal_fwd_bwd_ms", "ep_live_peak_mb", "llep_live_peak_mb", "ideal_live_peak_mb"):
         assert hot[key] > 0
     assert hot["llep_vs_ideal"] == pytest.approx(hot["llep_ms"] / hot["ideal_ms"])
 
