@@ -28,12 +28,13 @@ HOT_BIAS = (0.75, 0.5, 0.25, 0.0, -0.125, 0.0625, -0.0625, 0.125)
 # ---------------------------------------------------------------------------------------------
 
 
-def tiny_hf_config(rope_interleave: bool = True) -> dict:
-    """config.json of the deepseek-v3-tiny recipe, in the release's field names."""
+def tiny_hf_config(rope_interleave: bool = True, **fields) -> dict:
+    """config.json of the deepseek-v3-tiny recipe, in the release's field names (``fields``
+    replace some)."""
     from recipes.hf.deepseek_v3 import hf_config_from_recipe
     from recipes.models import deepseek_v3
 
-    return hf_config_from_recipe(deepseek_v3("tiny", cpu=True), rope_interleave=rope_interleave)
+    return {**hf_config_from_recipe(deepseek_v3("tiny", cpu=True), rope_interleave=rope_interleave), **fields}
 
 
 def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
@@ -134,9 +135,11 @@ def release_dtypes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.float() if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()}
 
 
-def build_reference(directory: str, config: dict, seed: int = SEED) -> dict:
+def build_reference(directory: str, config: dict, seed: int = SEED, latent_scale: float = 1.0) -> dict:
     """Write a tiny random DeepSeek-V3 (+ MTP layer) checkpoint to ``directory``; return the
-    token ids and transformers' logits (main, and the MTP layer's by the reference above)."""
+    token ids and transformers' logits (main, and the MTP layer's by the reference above).
+    ``latent_scale`` (a power of 2): the q/kv down-projections scaled by it, so that the latent
+    norms' eps weighs in."""
     import tempfile
 
     from safetensors.torch import load_file
@@ -149,6 +152,10 @@ def build_reference(directory: str, config: dict, seed: int = SEED) -> dict:
     mtp = MTPReference(hf_config).eval()
     _randomise(model, gen)
     _randomise(mtp, gen)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *mtp.named_parameters()]:
+            if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+                p.mul_(latent_scale)
     with tempfile.TemporaryDirectory() as tmp:  # transformers' own on-disk names (experts split)
         model.save_pretrained(tmp)
         tensors = load_file(os.path.join(tmp, "model.safetensors"))
@@ -342,4 +349,32 @@ def run_single(rank: int, world: int, interleaved_dir: str, plain_dir: str, plai
     for directory in fp8_dirs:
         _import(model, directory)
         out[directory] = {e.canonical: e.tensor.detach().clone() for e in canonical_entries(model)}
+    return out
+
+
+def run_variants(rank: int, world: int, cases: list, latent_eps_control: Optional[str] = None) -> dict:
+    """One rank, EP = 1: each (directory, ids) imported and its main + MTP logits; with
+    ``latent_eps_control`` (a directory) also that checkpoint's logits with MLA's latent norms left
+    at Megatron-Core's default eps (layernorm_epsilon), the negative control of the eps fix."""
+    from megatron.core import parallel_state
+
+    out: dict = {}
+    for directory, ids in cases:
+        _, model = _build(directory, 1)
+        _import(model, directory)
+        main, mtp, _ = _logits(model, ids)
+        out[directory] = dict(main=main, mtp=mtp, params=sorted(n for n, _ in model.named_parameters()))
+        if directory == latent_eps_control:
+            from recipes import models
+
+            original = models.exact_mla_latent_norms
+            models.exact_mla_latent_norms = lambda spec, config, eps: original(spec, config, config.layernorm_epsilon)
+            try:
+                _, control = _build(directory, 1)
+            finally:
+                models.exact_mla_latent_norms = original
+            _import(control, directory)
+            out["latent_eps_control"], _, _ = _logits(control, ids)
+        del model
+    parallel_state.destroy_model_parallel()
     return out

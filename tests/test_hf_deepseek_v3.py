@@ -15,7 +15,8 @@ import shutil
 import pytest
 import torch
 
-from hf_deepseek_v3_worker import (build_reference, fp8_checkpoint, hf_logits, run_ep, run_single, tiny_hf_config)
+from hf_deepseek_v3_worker import (build_reference, fp8_checkpoint, hf_logits, run_ep, run_single, run_variants,
+                                   tiny_hf_config)
 from megatron_llep.testing.distributed import run_distributed
 from recipes.hf.convert import ConversionError
 from recipes.hf.deepseek_v3 import hf_config_from_recipe, recipe_from_hf_config
@@ -165,6 +166,41 @@ def test_fp8_checkpoint_imports_dequantized(checkpoints, single):
         assert quantized == len(dequantized)
 
 
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """Configs of shapes other than the recipe's: rms_norm_eps 1e-5 (MLA's latent norms keep
+    DeepSeek's fixed 1e-6) and no query LoRA (q_lora_rank null, DeepSeek-V2-Lite style)."""
+    root = tmp_path_factory.mktemp("deepseek_v3_variants")
+    configs = {"eps": tiny_hf_config(rms_norm_eps=1e-5), "no_q_lora": tiny_hf_config(q_lora_rank=None)}
+    refs = {}
+    for name, config in configs.items():
+        # latent activations of RMS ~ 1/32: 1e-5 vs 1e-6 in their norms shows in the logits
+        refs[name] = build_reference(str(root / name), config, seed=99, latent_scale=1 / 32 if name == "eps" else 1.0)
+    (out,) = run_distributed(run_variants, 1, [(str(root / n), refs[n]["ids"]) for n in configs],
+                             str(root / "eps"), timeout_s=300)
+    return {name: (refs[name], out[str(root / name)]) for name in configs} | {"control": out["latent_eps_control"]}
+
+
+@pytest.mark.parametrize("name", ["eps", "no_q_lora"])
+def test_other_config_shapes_match_transformers(variants, name):
+    ref, out = variants[name]
+    main_err, mtp_err = rel_err(out["main"], ref["logits"]), rel_err(out["mtp"], ref["mtp_logits"])
+    print(f"{name}: logits rel err {main_err:.2e}, MTP logits rel err {mtp_err:.2e}")
+    assert main_err <= TOL and mtp_err <= TOL
+    if name == "no_q_lora":  # one plain q_proj, no query norm
+        attention = [p for p in out["params"] if p.startswith("decoder.layers.0.self_attention.")]
+        assert "decoder.layers.0.self_attention.linear_q_proj.weight" in attention
+        assert not any("q_layernorm" in p or "linear_q_up_proj" in p or "q_down" in p for p in attention), attention
+
+
+def test_latent_norm_eps_control_fails_the_comparison(variants):
+    """Negative control: MLA's latent norms at Megatron's default (rms_norm_eps = 1e-5) differ."""
+    ref, _ = variants["eps"]
+    err = rel_err(variants["control"], ref["logits"])
+    print(f"latent norms at rms_norm_eps: logits rel err {err:.2e}")
+    assert err > 1e-3
+
+
 # ---------------------------------------------------------------------------------------------
 # config translation (no processes)
 # ---------------------------------------------------------------------------------------------
@@ -261,3 +297,4 @@ def test_gated_fc1_is_laid_out_per_tensor_parallel_rank():
             assert torch.equal(local, torch.cat([gate.chunk(2)[r], up.chunk(2)[r]]))
         back = transform.to_hf(full, ctx)
         assert torch.equal(back["g"], gate) and torch.equal(back["u"], up)
+
