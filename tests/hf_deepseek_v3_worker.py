@@ -135,11 +135,13 @@ def release_dtypes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.float() if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()}
 
 
-def build_reference(directory: str, config: dict, seed: int = SEED, latent_scale: float = 1.0) -> dict:
+def build_reference(directory: str, config: dict, seed: int = SEED, latent_scale: float = 1.0,
+                    mtp_tensors: bool = True) -> dict:
     """Write a tiny random DeepSeek-V3 (+ MTP layer) checkpoint to ``directory``; return the
     token ids and transformers' logits (main, and the MTP layer's by the reference above).
     ``latent_scale`` (a power of 2): the q/kv down-projections scaled by it, so that the latent
-    norms' eps weighs in."""
+    norms' eps weighs in. ``mtp_tensors=False``: no MTP layer written (what transformers'
+    save_pretrained gives, config.json still counting it)."""
     import tempfile
 
     from safetensors.torch import load_file
@@ -159,7 +161,8 @@ def build_reference(directory: str, config: dict, seed: int = SEED, latent_scale
     with tempfile.TemporaryDirectory() as tmp:  # transformers' own on-disk names (experts split)
         model.save_pretrained(tmp)
         tensors = load_file(os.path.join(tmp, "model.safetensors"))
-    tensors.update(mtp.hf_tensors(model))
+    if mtp_tensors:
+        tensors.update(mtp.hf_tensors(model))
     write_checkpoint(directory, config, release_dtypes(tensors))
     ids = torch.randint(2, config["vocab_size"], (BATCH, SEQ), generator=gen)
     with torch.no_grad():

@@ -11,6 +11,8 @@ when ``topk // group_topk == 2``."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -297,4 +299,66 @@ def test_gated_fc1_is_laid_out_per_tensor_parallel_rank():
             assert torch.equal(local, torch.cat([gate.chunk(2)[r], up.chunk(2)[r]]))
         back = transform.to_hf(full, ctx)
         assert torch.equal(back["g"], gate) and torch.equal(back["u"], up)
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m recipes.hf import / export, and damaged checkpoints
+# ---------------------------------------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _no_warnings(result):
+    """Only the entry point's own lines: no Python warning, no traceback."""
+    text = result.stdout + result.stderr
+    assert "Warning" not in text and "warnings.warn" not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_cli_round_trip_keeps_the_source_config(tmp_path):
+    """import -> export of a checkpoint with rope_interleave false and a non-recipe
+    initializer_range: the same config.json, the same tensors bit for bit, transformers' logits;
+    the CLI prints its own lines only (Megatron's CPU warnings quieted)."""
+    source, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "out")
+    config = tiny_hf_config(rope_interleave=False, initializer_range=0.02)
+    ref = build_reference(source, config, seed=7)
+    result = _run(["-m", "recipes.hf", "import", "--hf", source, "--recipe", "deepseek-v3-tiny", "--out", ckpt])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _no_warnings(result)
+    result = _run(["-m", "recipes.hf", "export", "--load", ckpt, "--out", out, "--dtype", "bf16"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _no_warnings(result)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f) == config
+    original, exported = _tensors(source), _tensors(out)
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[n], t) and exported[n].dtype == t.dtype for n, t in original.items())
+    assert rel_err(hf_logits(out, ref["ids"]), ref["logits"]) <= TOL
+
+
+def test_cli_import_without_mtp_tensors_needs_hf_drop_mtp(tmp_path, capsys):
+    """transformers' save_pretrained keeps num_nextn_predict_layers but writes no MTP layer: the
+    import names --hf-drop-mtp in one line (exit 2), and imports with it; the flag is also one of
+    every --hf-checkpoint entry point's."""
+    from recipes import evaluate, finetune, generate
+
+    source, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    build_reference(source, tiny_hf_config(), seed=8, mtp_tensors=False)
+    base = ["-m", "recipes.hf", "import", "--hf", source, "--recipe", "deepseek-v3-tiny", "--out", ckpt]
+    result = _run(base)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert line.startswith("[recipes.hf] error:") and "model.layers.4.enorm.weight" in line and "--hf-drop-mtp" in line
+    result = _run([*base, "--hf-drop-mtp"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _no_warnings(result)
+    assert "--hf-drop-mtp" not in result.stdout  # resuming needs no flag: the checkpoint records no MTP layer
+    for module in (finetune, evaluate, generate):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--help"])
+        assert "--hf-drop-mtp" in capsys.readouterr().out, module.__name__
 
