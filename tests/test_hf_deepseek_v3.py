@@ -362,3 +362,53 @@ def test_cli_import_without_mtp_tensors_needs_hf_drop_mtp(tmp_path, capsys):
             module.parse_args(["--help"])
         assert "--hf-drop-mtp" in capsys.readouterr().out, module.__name__
 
+
+def _damage(directory: str, case: str) -> str:
+    """Damage one shard of a two-shard checkpoint; returns the damaged file."""
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shard = os.path.join(directory, "model-00002-of-00002.safetensors")
+    if case == "truncated":
+        os.truncate(shard, os.path.getsize(shard) - 100)
+    elif case == "header overwritten":
+        with open(shard, "r+b") as f:
+            f.seek(8)
+            f.write(b"#" * 32)
+    else:  # the index names a tensor the shard lacks
+        index["weight_map"]["model.layers.0.self_attn.q_a_proj.weight"] = os.path.basename(shard)
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+    return shard
+
+
+DAMAGE = ("truncated", "header overwritten", "index names a tensor the shard lacks")
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_safetensors_are_one_error_naming_the_file(checkpoints, tmp_path, case):
+    from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError
+
+    directory = str(tmp_path / "hf")
+    shutil.copytree(checkpoints["interleaved"], directory)
+    shard = _damage(directory, case)
+    with pytest.raises(HFCheckpointError) as err:
+        with HFCheckpoint(directory) as ckpt:
+            for name in ckpt.names():
+                ckpt.get(name)
+    message = str(err.value)
+    assert message.startswith(shard) and "\n" not in message, message
+
+
+def test_damaged_checkpoint_at_an_entry_point_is_one_line_from_rank_0(checkpoints, tmp_path):
+    """evaluate.py --hf-checkpoint on 2 ranks with a shard its index misdescribes: one line, exit 2."""
+    directory = str(tmp_path / "hf")
+    shutil.copytree(checkpoints["interleaved"], directory)
+    shard = _damage(directory, DAMAGE[2])
+    data = tmp_path / "valid.jsonl"
+    data.write_text("".join(json.dumps({"text": f"sample {i} " * 20}) + "\n" for i in range(8)))
+    result = _run(["launch/torchrun.py", "--nproc_per_node", "2", "recipes/evaluate.py", "--recipe",
+                   "deepseek-v3-tiny", "--hf-checkpoint", directory, "--data", str(data), "--seq-length", "32"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [ln for ln in result.stderr.splitlines() if shard in ln]
+    assert len(errors) == 1 and "lacks 1 tensor(s)" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
