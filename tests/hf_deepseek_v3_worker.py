@@ -58,7 +58,8 @@ def _randomise(module: torch.nn.Module, gen: torch.Generator) -> None:
             p.copy_(_bf16_exact(value))
         for name, b in module.named_buffers():
             if name.endswith("e_score_correction_bias"):  # float32 in the release: not rounded
-                b.copy_(torch.tensor(HOT_BIAS) + 0.03125 * torch.randn(b.shape, generator=gen))
+                hot = torch.tensor(HOT_BIAS) if b.numel() == len(HOT_BIAS) else 0.25 * torch.randn(b.shape, generator=gen)
+                b.copy_(hot + 0.03125 * torch.randn(b.shape, generator=gen))
 
 
 class MTPReference(torch.nn.Module):
@@ -379,5 +380,68 @@ def run_variants(rank: int, world: int, cases: list, latent_eps_control: Optiona
             _import(control, directory)
             out["latent_eps_control"], _, _ = _logits(control, ids)
         del model
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def random_configs(count: int, seed: int) -> list[dict]:
+    """``count`` config.json of DeepSeek-V3's architecture drawn over the fields a published config
+    may vary (layer counts, first_k_dense_replace, heads and head widths, a query LoRA or none,
+    experts, top-k and group routing, shared experts, YaRN or plain rope, eps, rope_interleave),
+    within what Megatron-Core reproduces (check_deepseek_group_routing) and tiny enough for CPU."""
+    import random
+
+    rng = random.Random(seed)
+    configs = []
+    while len(configs) < count:
+        experts = rng.choice([4, 8, 16])
+        groups = rng.choice([g for g in (1, 2, 4) if experts // g >= 2])
+        topk = rng.choice([k for k in (1, 2, 4) if k <= experts])
+        # group routing Megatron shares with DeepSeek-V3: all groups kept, or topk // topk_group == 2
+        kept = rng.choice([t for t in range(1, groups + 1) if t == groups or (topk % t == 0 and topk // t == 2)])
+        if groups * (experts // groups) < topk or kept * (experts // groups) < topk:
+            continue
+        layers = rng.randint(1, 3)
+        rope = rng.choice([4, 8])
+        mtp = rng.choice([0, 1])
+        fields = dict(  # at least one MoE layer (the MTP layer's spec is the last decoder layer's, MoE as in the release)
+            num_hidden_layers=layers, first_k_dense_replace=rng.randint(0, layers - 1),
+            hidden_size=rng.choice([32, 48, 64]), intermediate_size=rng.choice([48, 96]),
+            moe_intermediate_size=rng.choice([16, 24]), num_attention_heads=(heads := rng.choice([1, 2, 4])),
+            num_key_value_heads=heads, q_lora_rank=rng.choice([None, 16, 24]), kv_lora_rank=rng.choice([8, 16]),
+            qk_nope_head_dim=rng.choice([8, 16]), qk_rope_head_dim=rope, v_head_dim=rng.choice([8, 12, 16]),
+            n_routed_experts=experts, n_shared_experts=rng.choice([1, 2]), num_experts_per_tok=topk,
+            n_group=groups, topk_group=kept, norm_topk_prob=topk > 1,
+            routed_scaling_factor=rng.choice([1.0, 2.5]), rms_norm_eps=rng.choice([1e-6, 1e-5]),
+            num_nextn_predict_layers=mtp, rope_theta=rng.choice([10000.0, 50000.0]),
+            max_position_embeddings=512,
+        )
+        if rng.random() < 0.5:
+            fields["rope_scaling"] = dict(type="yarn", factor=rng.choice([4.0, 40.0]), original_max_position_embeddings=128,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=rng.choice([0.0, 1.0]))
+        else:
+            fields["rope_scaling"] = None  # plain rope
+        configs.append(tiny_hf_config(rope_interleave=rng.random() < 0.5, **fields))
+    return configs
+
+
+def run_random(rank: int, world: int, cases: list) -> list:
+    """One rank, EP = 1: each (directory, ids) imported; its main logits and MTP logits (None
+    without an MTP layer)."""
+    from megatron.core import parallel_state
+
+    from recipes.logits import lm_and_mtp_logits, lm_logits
+
+    out = []
+    for directory, ids in cases:
+        recipe, model = _build(directory, 1)
+        _import(model, directory)
+        model.eval()
+        with torch.no_grad():
+            if recipe.config.mtp_num_layers:
+                main, (mtp,) = lm_and_mtp_logits(model, ids)
+            else:
+                main, mtp = lm_logits(model, ids), None
+        out.append(dict(main=main, mtp=mtp))
     parallel_state.destroy_model_parallel()
     return out

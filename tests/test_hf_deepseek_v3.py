@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from hf_deepseek_v3_worker import (build_reference, fp8_checkpoint, hf_logits, run_ep, run_single, run_variants,
-                                   tiny_hf_config)
+from hf_deepseek_v3_worker import (build_reference, fp8_checkpoint, hf_logits, random_configs, run_ep, run_random,
+                                   run_single, run_variants, tiny_hf_config)
 from megatron_llep.testing.distributed import run_distributed
 from recipes.hf.convert import ConversionError
 from recipes.hf.deepseek_v3 import hf_config_from_recipe, recipe_from_hf_config
@@ -201,6 +201,53 @@ def test_latent_norm_eps_control_fails_the_comparison(variants):
     err = rel_err(variants["control"], ref["logits"])
     print(f"latent norms at rms_norm_eps: logits rel err {err:.2e}")
     assert err > 1e-3
+
+
+RANDOM_CONFIGS = 4  # drawn per run (seeded: the same every run)
+
+
+@pytest.fixture(scope="module")
+def random_shapes(tmp_path_factory):
+    """Property-based parity: configs drawn over the fields a published DeepSeek-V3-family
+    config.json may vary (hf_deepseek_v3_worker.random_configs), each a random transformers model
+    imported at EP = 1."""
+    root = tmp_path_factory.mktemp("deepseek_v3_random")
+    configs = random_configs(RANDOM_CONFIGS, seed=2027)
+    refs, cases = [], []
+    for k, config in enumerate(configs):
+        directory = str(root / f"c{k}")
+        refs.append(build_reference(directory, config, seed=100 + k, mtp_tensors=bool(config["num_nextn_predict_layers"])))
+        cases.append((directory, refs[-1]["ids"]))
+    outs = run_distributed(run_random, 1, cases, timeout_s=300)[0]
+    return configs, refs, outs
+
+
+@pytest.mark.parametrize("k", range(RANDOM_CONFIGS))
+def test_random_config_shapes_match_transformers(random_shapes, k):
+    configs, refs, outs = random_shapes
+    config, ref, out = configs[k], refs[k], outs[k]
+    shown = {f: config.get(f) for f in ("num_hidden_layers", "first_k_dense_replace", "num_attention_heads",
+                                         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                         "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group",
+                                         "topk_group", "rms_norm_eps", "rope_interleave", "num_nextn_predict_layers")}
+    shown["rope"] = (config.get("rope_scaling") or {}).get("type", "default")
+    main_err = rel_err(out["main"], ref["logits"])
+    mtp_err = rel_err(out["mtp"], ref["mtp_logits"]) if out["mtp"] is not None else 0.0
+    print(f"config {k} {shown}: logits rel err {main_err:.2e}, MTP {mtp_err:.2e}")
+    assert main_err <= TOL and mtp_err <= TOL, shown
+
+
+def test_random_configs_vary_the_fields():
+    """The draw is not vacuous: over a larger seeded sample every varied field takes several values."""
+    configs = random_configs(24, seed=2027)
+    for field in ("num_hidden_layers", "first_k_dense_replace", "num_attention_heads", "q_lora_rank",
+                  "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "rms_norm_eps",
+                  "rope_interleave", "num_nextn_predict_layers", "v_head_dim"):
+        assert len({c[field] for c in configs}) >= 2, field
+    assert {bool(c.get("rope_scaling")) for c in configs} == {True, False}
+    assert any(c["topk_group"] < c["n_group"] for c in configs)  # group limiting exercised
+    for c in configs:
+        recipe_from_hf_config(c, cpu=True)  # each is one Megatron-Core reproduces
 
 
 # ---------------------------------------------------------------------------------------------
