@@ -61,6 +61,10 @@ def add_model_arguments(group: argparse._ArgumentGroup) -> None:
     ):
         group.add_argument(flag, default=None, metavar="DIR",
                            help=f"{what}. finetune.py ignores its weights when it resumes with --load")
+    group.add_argument("--hf-drop-mtp", action="store_true",
+                       help="with --hf-checkpoint: build the model without the checkpoint's multi-token-prediction "
+                            "layers (config.json's num_nextn_predict_layers) and ignore their tensors; for "
+                            "checkpoints saved without them, e.g. by transformers' save_pretrained")
 
 
 def add_checkpoint_reading_arguments(group: argparse._ArgumentGroup) -> None:
@@ -151,6 +155,8 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
             parser.error(f"--pretrained: {args.pretrained} is not a directory")
         if args.hf_checkpoint is not None:
             parser.error("--pretrained and --hf-checkpoint both give the starting weights; choose one")
+    if getattr(args, "hf_drop_mtp", False) and args.hf_checkpoint is None:
+        parser.error("--hf-drop-mtp needs --hf-checkpoint (a run resumed with --load keeps what it was started with)")
     if args.hf_checkpoint is not None:
         if not os.path.isdir(args.hf_checkpoint):
             parser.error(f"--hf-checkpoint: {args.hf_checkpoint} is not a directory")
@@ -242,12 +248,22 @@ def hf_config_for(args: argparse.Namespace, checkpoint: Optional[str] = None) ->
         from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError
 
         try:
-            return HFCheckpoint(args.hf_checkpoint).config
+            config = HFCheckpoint(args.hf_checkpoint).config
         except HFCheckpointError as err:
             raise ConfigError(f"--hf-checkpoint: {err}") from None
+        return without_mtp(config) if getattr(args, "hf_drop_mtp", False) else config
     if checkpoint:
         return saved_run_info(checkpoint).get("hf_config")
     return None
+
+
+def without_mtp(hf_config: dict) -> dict:
+    """``--hf-drop-mtp``: the config.json the model is built from (and that the checkpoint records,
+    so resuming and exporting agree) says no MTP layers; the checkpoint's MTP tensors, if any, are
+    ignored on import (recipes/hf/deepseek_v3.py ignore_hf reads the checkpoint's own config.json)."""
+    if not hf_config.get("num_nextn_predict_layers"):
+        return hf_config
+    return {**hf_config, "num_nextn_predict_layers": 0}
 
 
 def saved_run_info(directory: str) -> dict:

@@ -19,6 +19,7 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_llep.compat.local_mla_attention import use_local_mla_attention
+from megatron_llep.compat.mla_latent_norms import DEEPSEEK_LATENT_NORM_EPS, exact_mla_latent_norms
 
 try:  # Transformer Engine is an optional GPU extra
     import transformer_engine  # noqa: F401
@@ -55,6 +56,16 @@ class Recipe:
     rotary_base: float
     share_embeddings_and_output_weights: bool = False
     notes: list[str] = field(default_factory=list)
+    # MLA: eps of the q/kv latent norms (DeepSeek: 1e-6 whatever layernorm_epsilon); None: layernorm_epsilon
+    mla_latent_norm_eps: Optional[float] = None
+
+    def _mla(self, spec, use_te: bool):
+        if self.config.multi_latent_attention:
+            if not use_te:
+                use_local_mla_attention(spec)
+            eps = self.config.layernorm_epsilon if self.mla_latent_norm_eps is None else self.mla_latent_norm_eps
+            exact_mla_latent_norms(spec, self.config, eps)
+        return spec
 
     def layer_spec(self, use_transformer_engine: Optional[bool] = None):
         """Megatron's decoder block spec for this config (local modules without TE)."""
@@ -64,9 +75,7 @@ class Recipe:
         if use_te and not HAVE_TE:
             raise RuntimeError(f"{self.name}: use_transformer_engine=True but transformer-engine is not installed")
         spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=use_te, normalization=self.config.normalization)
-        if self.config.multi_latent_attention and not use_te:
-            use_local_mla_attention(spec)
-        return spec
+        return self._mla(spec, use_te)
 
     def mtp_spec(self, decoder_spec, use_transformer_engine: Optional[bool] = None):
         """Multi-token-prediction block spec (``None`` without MTP layers)."""
@@ -76,9 +85,7 @@ class Recipe:
 
         use_te = HAVE_TE if use_transformer_engine is None else use_transformer_engine
         spec = get_gpt_mtp_block_spec(self.config, decoder_spec, use_transformer_engine=use_te)
-        if self.config.multi_latent_attention and not use_te:
-            use_local_mla_attention(spec)
-        return spec
+        return self._mla(spec, use_te)
 
     def gpt_model_kwargs(self) -> dict:
         return dict(
@@ -234,6 +241,7 @@ def gpt_oss(
         position_embedding_type="yarn",
         rotary_base=arch["rotary_base"],
         share_embeddings_and_output_weights=False,
+        mla_latent_norm_eps=DEEPSEEK_LATENT_NORM_EPS,
     )
 
 
@@ -355,6 +363,7 @@ def deepseek_v3(
         position_embedding_type="rope",  # MLA builds its YaRN rotary embedding from the config
         rotary_base=arch["rotary_base"],
         share_embeddings_and_output_weights=False,
+        mla_latent_norm_eps=DEEPSEEK_LATENT_NORM_EPS,
     )
 
 

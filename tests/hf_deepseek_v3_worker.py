@@ -28,12 +28,13 @@ HOT_BIAS = (0.75, 0.5, 0.25, 0.0, -0.125, 0.0625, -0.0625, 0.125)
 # ---------------------------------------------------------------------------------------------
 
 
-def tiny_hf_config(rope_interleave: bool = True) -> dict:
-    """config.json of the deepseek-v3-tiny recipe, in the release's field names."""
+def tiny_hf_config(rope_interleave: bool = True, **fields) -> dict:
+    """config.json of the deepseek-v3-tiny recipe, in the release's field names (``fields``
+    replace some)."""
     from recipes.hf.deepseek_v3 import hf_config_from_recipe
     from recipes.models import deepseek_v3
 
-    return hf_config_from_recipe(deepseek_v3("tiny", cpu=True), rope_interleave=rope_interleave)
+    return {**hf_config_from_recipe(deepseek_v3("tiny", cpu=True), rope_interleave=rope_interleave), **fields}
 
 
 def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,8 @@ def _randomise(module: torch.nn.Module, gen: torch.Generator) -> None:
             p.copy_(_bf16_exact(value))
         for name, b in module.named_buffers():
             if name.endswith("e_score_correction_bias"):  # float32 in the release: not rounded
-                b.copy_(torch.tensor(HOT_BIAS) + 0.03125 * torch.randn(b.shape, generator=gen))
+                hot = torch.tensor(HOT_BIAS) if b.numel() == len(HOT_BIAS) else 0.25 * torch.randn(b.shape, generator=gen)
+                b.copy_(hot + 0.03125 * torch.randn(b.shape, generator=gen))
 
 
 class MTPReference(torch.nn.Module):
@@ -134,9 +136,13 @@ def release_dtypes(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.float() if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()}
 
 
-def build_reference(directory: str, config: dict, seed: int = SEED) -> dict:
+def build_reference(directory: str, config: dict, seed: int = SEED, latent_scale: float = 1.0,
+                    mtp_tensors: bool = True) -> dict:
     """Write a tiny random DeepSeek-V3 (+ MTP layer) checkpoint to ``directory``; return the
-    token ids and transformers' logits (main, and the MTP layer's by the reference above)."""
+    token ids and transformers' logits (main, and the MTP layer's by the reference above).
+    ``latent_scale`` (a power of 2): the q/kv down-projections scaled by it, so that the latent
+    norms' eps weighs in. ``mtp_tensors=False``: no MTP layer written (what transformers'
+    save_pretrained gives, config.json still counting it)."""
     import tempfile
 
     from safetensors.torch import load_file
@@ -149,10 +155,15 @@ def build_reference(directory: str, config: dict, seed: int = SEED) -> dict:
     mtp = MTPReference(hf_config).eval()
     _randomise(model, gen)
     _randomise(mtp, gen)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *mtp.named_parameters()]:
+            if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+                p.mul_(latent_scale)
     with tempfile.TemporaryDirectory() as tmp:  # transformers' own on-disk names (experts split)
         model.save_pretrained(tmp)
         tensors = load_file(os.path.join(tmp, "model.safetensors"))
-    tensors.update(mtp.hf_tensors(model))
+    if mtp_tensors:
+        tensors.update(mtp.hf_tensors(model))
     write_checkpoint(directory, config, release_dtypes(tensors))
     ids = torch.randint(2, config["vocab_size"], (BATCH, SEQ), generator=gen)
     with torch.no_grad():
@@ -342,4 +353,95 @@ def run_single(rank: int, world: int, interleaved_dir: str, plain_dir: str, plai
     for directory in fp8_dirs:
         _import(model, directory)
         out[directory] = {e.canonical: e.tensor.detach().clone() for e in canonical_entries(model)}
+    return out
+
+
+def run_variants(rank: int, world: int, cases: list, latent_eps_control: Optional[str] = None) -> dict:
+    """One rank, EP = 1: each (directory, ids) imported and its main + MTP logits; with
+    ``latent_eps_control`` (a directory) also that checkpoint's logits with MLA's latent norms left
+    at Megatron-Core's default eps (layernorm_epsilon), the negative control of the eps fix."""
+    from megatron.core import parallel_state
+
+    out: dict = {}
+    for directory, ids in cases:
+        _, model = _build(directory, 1)
+        _import(model, directory)
+        main, mtp, _ = _logits(model, ids)
+        out[directory] = dict(main=main, mtp=mtp, params=sorted(n for n, _ in model.named_parameters()))
+        if directory == latent_eps_control:
+            from recipes import models
+
+            original = models.exact_mla_latent_norms
+            models.exact_mla_latent_norms = lambda spec, config, eps: original(spec, config, config.layernorm_epsilon)
+            try:
+                _, control = _build(directory, 1)
+            finally:
+                models.exact_mla_latent_norms = original
+            _import(control, directory)
+            out["latent_eps_control"], _, _ = _logits(control, ids)
+        del model
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def random_configs(count: int, seed: int) -> list[dict]:
+    """``count`` config.json of DeepSeek-V3's architecture drawn over the fields a published config
+    may vary (layer counts, first_k_dense_replace, heads and head widths, a query LoRA or none,
+    experts, top-k and group routing, shared experts, YaRN or plain rope, eps, rope_interleave),
+    within what Megatron-Core reproduces (check_deepseek_group_routing) and tiny enough for CPU."""
+    import random
+
+    rng = random.Random(seed)
+    configs = []
+    while len(configs) < count:
+        experts = rng.choice([4, 8, 16])
+        groups = rng.choice([g for g in (1, 2, 4) if experts // g >= 2])
+        topk = rng.choice([k for k in (1, 2, 4) if k <= experts])
+        # group routing Megatron shares with DeepSeek-V3: all groups kept, or topk // topk_group == 2
+        kept = rng.choice([t for t in range(1, groups + 1) if t == groups or (topk % t == 0 and topk // t == 2)])
+        if groups * (experts // groups) < topk or kept * (experts // groups) < topk:
+            continue
+        layers = rng.randint(1, 3)
+        rope = rng.choice([4, 8])
+        mtp = rng.choice([0, 1])
+        fields = dict(  # at least one MoE layer (the MTP layer's spec is the last decoder layer's, MoE as in the release)
+            num_hidden_layers=layers, first_k_dense_replace=rng.randint(0, layers - 1),
+            hidden_size=rng.choice([32, 48, 64]), intermediate_size=rng.choice([48, 96]),
+            moe_intermediate_size=rng.choice([16, 24]), num_attention_heads=(heads := rng.choice([1, 2, 4])),
+            num_key_value_heads=heads, q_lora_rank=rng.choice([None, 16, 24]), kv_lora_rank=rng.choice([8, 16]),
+            qk_nope_head_dim=rng.choice([8, 16]), qk_rope_head_dim=rope, v_head_dim=rng.choice([8, 12, 16]),
+            n_routed_experts=experts, n_shared_experts=rng.choice([1, 2]), num_experts_per_tok=topk,
+            n_group=groups, topk_group=kept, norm_topk_prob=topk > 1,
+            routed_scaling_factor=rng.choice([1.0, 2.5]), rms_norm_eps=rng.choice([1e-6, 1e-5]),
+            num_nextn_predict_layers=mtp, rope_theta=rng.choice([10000.0, 50000.0]),
+            max_position_embeddings=512,
+        )
+        if rng.random() < 0.5:
+            fields["rope_scaling"] = dict(type="yarn", factor=rng.choice([4.0, 40.0]), original_max_position_embeddings=128,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=rng.choice([0.0, 1.0]))
+        else:
+            fields["rope_scaling"] = None  # plain rope
+        configs.append(tiny_hf_config(rope_interleave=rng.random() < 0.5, **fields))
+    return configs
+
+
+def run_random(rank: int, world: int, cases: list) -> list:
+    """One rank, EP = 1: each (directory, ids) imported; its main logits and MTP logits (None
+    without an MTP layer)."""
+    from megatron.core import parallel_state
+
+    from recipes.logits import lm_and_mtp_logits, lm_logits
+
+    out = []
+    for directory, ids in cases:
+        recipe, model = _build(directory, 1)
+        _import(model, directory)
+        model.eval()
+        with torch.no_grad():
+            if recipe.config.mtp_num_layers:
+                main, (mtp,) = lm_and_mtp_logits(model, ids)
+            else:
+                main, mtp = lm_logits(model, ids), None
+        out.append(dict(main=main, mtp=mtp))
+    parallel_state.destroy_model_parallel()
     return out

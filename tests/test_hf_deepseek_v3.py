@@ -11,11 +11,14 @@ when ``topk // group_topk == 2``."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from hf_deepseek_v3_worker import (build_reference, fp8_checkpoint, hf_logits, run_ep, run_single, tiny_hf_config)
+from hf_deepseek_v3_worker import (build_reference, fp8_checkpoint, hf_logits, random_configs, run_ep, run_random,
+                                   run_single, run_variants, tiny_hf_config)
 from megatron_llep.testing.distributed import run_distributed
 from recipes.hf.convert import ConversionError
 from recipes.hf.deepseek_v3 import hf_config_from_recipe, recipe_from_hf_config
@@ -165,6 +168,88 @@ def test_fp8_checkpoint_imports_dequantized(checkpoints, single):
         assert quantized == len(dequantized)
 
 
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """Configs of shapes other than the recipe's: rms_norm_eps 1e-5 (MLA's latent norms keep
+    DeepSeek's fixed 1e-6) and no query LoRA (q_lora_rank null, DeepSeek-V2-Lite style)."""
+    root = tmp_path_factory.mktemp("deepseek_v3_variants")
+    configs = {"eps": tiny_hf_config(rms_norm_eps=1e-5), "no_q_lora": tiny_hf_config(q_lora_rank=None)}
+    refs = {}
+    for name, config in configs.items():
+        # latent activations of RMS ~ 1/32: 1e-5 vs 1e-6 in their norms shows in the logits
+        refs[name] = build_reference(str(root / name), config, seed=99, latent_scale=1 / 32 if name == "eps" else 1.0)
+    (out,) = run_distributed(run_variants, 1, [(str(root / n), refs[n]["ids"]) for n in configs],
+                             str(root / "eps"), timeout_s=300)
+    return {name: (refs[name], out[str(root / name)]) for name in configs} | {"control": out["latent_eps_control"]}
+
+
+@pytest.mark.parametrize("name", ["eps", "no_q_lora"])
+def test_other_config_shapes_match_transformers(variants, name):
+    ref, out = variants[name]
+    main_err, mtp_err = rel_err(out["main"], ref["logits"]), rel_err(out["mtp"], ref["mtp_logits"])
+    print(f"{name}: logits rel err {main_err:.2e}, MTP logits rel err {mtp_err:.2e}")
+    assert main_err <= TOL and mtp_err <= TOL
+    if name == "no_q_lora":  # one plain q_proj, no query norm
+        attention = [p for p in out["params"] if p.startswith("decoder.layers.0.self_attention.")]
+        assert "decoder.layers.0.self_attention.linear_q_proj.weight" in attention
+        assert not any("q_layernorm" in p or "linear_q_up_proj" in p or "q_down" in p for p in attention), attention
+
+
+def test_latent_norm_eps_control_fails_the_comparison(variants):
+    """Negative control: MLA's latent norms at Megatron's default (rms_norm_eps = 1e-5) differ."""
+    ref, _ = variants["eps"]
+    err = rel_err(variants["control"], ref["logits"])
+    print(f"latent norms at rms_norm_eps: logits rel err {err:.2e}")
+    assert err > 1e-3
+
+
+RANDOM_CONFIGS = 4  # drawn per run (seeded: the same every run)
+
+
+@pytest.fixture(scope="module")
+def random_shapes(tmp_path_factory):
+    """Property-based parity: configs drawn over the fields a published DeepSeek-V3-family
+    config.json may vary (hf_deepseek_v3_worker.random_configs), each a random transformers model
+    imported at EP = 1."""
+    root = tmp_path_factory.mktemp("deepseek_v3_random")
+    configs = random_configs(RANDOM_CONFIGS, seed=2027)
+    refs, cases = [], []
+    for k, config in enumerate(configs):
+        directory = str(root / f"c{k}")
+        refs.append(build_reference(directory, config, seed=100 + k, mtp_tensors=bool(config["num_nextn_predict_layers"])))
+        cases.append((directory, refs[-1]["ids"]))
+    outs = run_distributed(run_random, 1, cases, timeout_s=300)[0]
+    return configs, refs, outs
+
+
+@pytest.mark.parametrize("k", range(RANDOM_CONFIGS))
+def test_random_config_shapes_match_transformers(random_shapes, k):
+    configs, refs, outs = random_shapes
+    config, ref, out = configs[k], refs[k], outs[k]
+    shown = {f: config.get(f) for f in ("num_hidden_layers", "first_k_dense_replace", "num_attention_heads",
+                                         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                         "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group",
+                                         "topk_group", "rms_norm_eps", "rope_interleave", "num_nextn_predict_layers")}
+    shown["rope"] = (config.get("rope_scaling") or {}).get("type", "default")
+    main_err = rel_err(out["main"], ref["logits"])
+    mtp_err = rel_err(out["mtp"], ref["mtp_logits"]) if out["mtp"] is not None else 0.0
+    print(f"config {k} {shown}: logits rel err {main_err:.2e}, MTP {mtp_err:.2e}")
+    assert main_err <= TOL and mtp_err <= TOL, shown
+
+
+def test_random_configs_vary_the_fields():
+    """The draw is not vacuous: over a larger seeded sample every varied field takes several values."""
+    configs = random_configs(24, seed=2027)
+    for field in ("num_hidden_layers", "first_k_dense_replace", "num_attention_heads", "q_lora_rank",
+                  "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "rms_norm_eps",
+                  "rope_interleave", "num_nextn_predict_layers", "v_head_dim"):
+        assert len({c[field] for c in configs}) >= 2, field
+    assert {bool(c.get("rope_scaling")) for c in configs} == {True, False}
+    assert any(c["topk_group"] < c["n_group"] for c in configs)  # group limiting exercised
+    for c in configs:
+        recipe_from_hf_config(c, cpu=True)  # each is one Megatron-Core reproduces
+
+
 # ---------------------------------------------------------------------------------------------
 # config translation (no processes)
 # ---------------------------------------------------------------------------------------------
@@ -261,3 +346,116 @@ def test_gated_fc1_is_laid_out_per_tensor_parallel_rank():
             assert torch.equal(local, torch.cat([gate.chunk(2)[r], up.chunk(2)[r]]))
         back = transform.to_hf(full, ctx)
         assert torch.equal(back["g"], gate) and torch.equal(back["u"], up)
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m recipes.hf import / export, and damaged checkpoints
+# ---------------------------------------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _no_warnings(result):
+    """Only the entry point's own lines: no Python warning, no traceback."""
+    text = result.stdout + result.stderr
+    assert "Warning" not in text and "warnings.warn" not in text and "Traceback" not in text, text[-3000:]
+
+
+def test_cli_round_trip_keeps_the_source_config(tmp_path):
+    """import -> export of a checkpoint with rope_interleave false and a non-recipe
+    initializer_range: the same config.json, the same tensors bit for bit, transformers' logits;
+    the CLI prints its own lines only (Megatron's CPU warnings quieted)."""
+    source, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "out")
+    config = tiny_hf_config(rope_interleave=False, initializer_range=0.02)
+    ref = build_reference(source, config, seed=7)
+    result = _run(["-m", "recipes.hf", "import", "--hf", source, "--recipe", "deepseek-v3-tiny", "--out", ckpt])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _no_warnings(result)
+    result = _run(["-m", "recipes.hf", "export", "--load", ckpt, "--out", out, "--dtype", "bf16"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _no_warnings(result)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f) == config
+    original, exported = _tensors(source), _tensors(out)
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[n], t) and exported[n].dtype == t.dtype for n, t in original.items())
+    assert rel_err(hf_logits(out, ref["ids"]), ref["logits"]) <= TOL
+
+
+def test_cli_import_without_mtp_tensors_needs_hf_drop_mtp(tmp_path, capsys):
+    """transformers' save_pretrained keeps num_nextn_predict_layers but writes no MTP layer: the
+    import names --hf-drop-mtp in one line (exit 2), and imports with it; the flag is also one of
+    every --hf-checkpoint entry point's."""
+    from recipes import evaluate, finetune, generate
+
+    source, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    build_reference(source, tiny_hf_config(), seed=8, mtp_tensors=False)
+    base = ["-m", "recipes.hf", "import", "--hf", source, "--recipe", "deepseek-v3-tiny", "--out", ckpt]
+    result = _run(base)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert line.startswith("[recipes.hf] error:") and "model.layers.4.enorm.weight" in line and "--hf-drop-mtp" in line
+    result = _run([*base, "--hf-drop-mtp"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _no_warnings(result)
+    assert "--hf-drop-mtp" not in result.stdout  # resuming needs no flag: the checkpoint records no MTP layer
+    for module in (finetune, evaluate, generate):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--help"])
+        assert "--hf-drop-mtp" in capsys.readouterr().out, module.__name__
+
+
+def _damage(directory: str, case: str) -> str:
+    """Damage one shard of a two-shard checkpoint; returns the damaged file."""
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shard = os.path.join(directory, "model-00002-of-00002.safetensors")
+    if case == "truncated":
+        os.truncate(shard, os.path.getsize(shard) - 100)
+    elif case == "header overwritten":
+        with open(shard, "r+b") as f:
+            f.seek(8)
+            f.write(b"#" * 32)
+    else:  # the index names a tensor the shard lacks
+        index["weight_map"]["model.layers.0.self_attn.q_a_proj.weight"] = os.path.basename(shard)
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+    return shard
+
+
+DAMAGE = ("truncated", "header overwritten", "index names a tensor the shard lacks")
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_safetensors_are_one_error_naming_the_file(checkpoints, tmp_path, case):
+    from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError
+
+    directory = str(tmp_path / "hf")
+    shutil.copytree(checkpoints["interleaved"], directory)
+    shard = _damage(directory, case)
+    with pytest.raises(HFCheckpointError) as err:
+        with HFCheckpoint(directory) as ckpt:
+            for name in ckpt.names():
+                ckpt.get(name)
+    message = str(err.value)
+    assert message.startswith(shard) and "\n" not in message, message
+
+
+def test_damaged_checkpoint_at_an_entry_point_is_one_line_from_rank_0(checkpoints, tmp_path):
+    """evaluate.py --hf-checkpoint on 2 ranks with a shard its index misdescribes: one line, exit 2."""
+    directory = str(tmp_path / "hf")
+    shutil.copytree(checkpoints["interleaved"], directory)
+    shard = _damage(directory, DAMAGE[2])
+    data = tmp_path / "valid.jsonl"
+    data.write_text("".join(json.dumps({"text": f"sample {i} " * 20}) + "\n" for i in range(8)))
+    result = _run(["launch/torchrun.py", "--nproc_per_node", "2", "recipes/evaluate.py", "--recipe",
+                   "deepseek-v3-tiny", "--hf-checkpoint", directory, "--data", str(data), "--seq-length", "32"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [ln for ln in result.stderr.splitlines() if shard in ln]
+    assert len(errors) == 1 and "lacks 1 tensor(s)" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

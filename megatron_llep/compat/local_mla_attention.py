@@ -8,7 +8,7 @@ its output by the value width, so DeepSeek-V3's architecture runs on CPU (tiny r
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -24,22 +24,16 @@ class MLADotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
-def use_local_mla_attention(spec: Any) -> Any:
-    """Swap ``DotProductAttention`` for :class:`MLADotProductAttention` inside every MLA
-    self-attention of a (block or layer) spec, in place; returns the spec."""
-    from megatron.core.transformer import multi_latent_attention
+def for_each_mla_spec(spec: Any, fn: Callable[[ModuleSpec], None]) -> Any:
+    """Call ``fn`` on every ``ModuleSpec`` of an ``MLASelfAttention`` (or subclass) inside a
+    (block, layer or MTP) spec; returns the spec."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    if not isinstance(multi_latent_attention.TELinear, type):
-        # 0.16 sets HAVE_TE from an import that succeeds without TE, then isinstance()s against
-        # the None placeholder; without TE the flag must be False.
-        multi_latent_attention.HAVE_TE = False
     def visit(node: Any) -> None:
         if isinstance(node, ModuleSpec):
-            submodules = node.submodules
-            if node.module is MLASelfAttention and getattr(submodules, "core_attention", None) is DotProductAttention:
-                submodules.core_attention = MLADotProductAttention
-            visit(submodules)
+            if isinstance(node.module, type) and issubclass(node.module, MLASelfAttention):
+                fn(node)
+            visit(node.submodules)
         elif isinstance(node, (list, tuple)):
             for child in node:
                 visit(child)
@@ -49,3 +43,20 @@ def use_local_mla_attention(spec: Any) -> Any:
 
     visit(spec)
     return spec
+
+
+def use_local_mla_attention(spec: Any) -> Any:
+    """Swap ``DotProductAttention`` for :class:`MLADotProductAttention` inside every MLA
+    self-attention of a (block or layer) spec, in place; returns the spec."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        # 0.16 sets HAVE_TE from an import that succeeds without TE, then isinstance()s against
+        # the None placeholder; without TE the flag must be False.
+        multi_latent_attention.HAVE_TE = False
+
+    def swap(node: ModuleSpec) -> None:
+        if getattr(node.submodules, "core_attention", None) is DotProductAttention:
+            node.submodules.core_attention = MLADotProductAttention
+
+    return for_each_mla_spec(spec, swap)

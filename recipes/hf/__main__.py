@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face checkpoint directory")
     imp.add_argument("--recipe", required=True, help="gpt-oss-20b, gpt-oss-120b, gpt-oss-tiny (any size), deepseek-v3, ...")
     imp.add_argument("--out", required=True, metavar="DIR", help="save directory (finetune.py --load DIR)")
+    imp.add_argument("--hf-drop-mtp", action="store_true",
+                     help="build the model without config.json's multi-token-prediction layers "
+                          "(num_nextn_predict_layers) and ignore their tensors: for checkpoints saved without them, "
+                          "e.g. by transformers' save_pretrained; the checkpoint records no MTP layers")
     exp = sub.add_parser("export", help="Megatron checkpoint -> Hugging Face safetensors + config.json")
     exp.add_argument("--load", required=True, metavar="DIR", help="finetune.py --save directory or one iter_* directory")
     exp.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
@@ -89,7 +93,8 @@ def run_import(args: argparse.Namespace, rest: list[str]) -> str:
 
     from recipes import checkpointing, finetune
 
-    fargs = finetune.parse_args(["--recipe", args.recipe, "--hf-checkpoint", args.hf, "--save", args.out, *rest])
+    fargs = finetune.parse_args(["--recipe", args.recipe, "--hf-checkpoint", args.hf, "--save", args.out,
+                                 *(["--hf-drop-mtp"] if args.hf_drop_mtp else []), *rest])
     rank, world, device = finetune.init_distributed()
     try:
         hf_config = finetune.hf_config_for(fargs)
@@ -128,6 +133,17 @@ def _read_hf_config(path: str) -> dict:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"--hf-config {path}: cannot read {file} ({err})") from None
+
+
+def exported_config(source: Optional[dict], generated: dict) -> dict:
+    """The config.json an export writes: the source checkpoint's (recorded by ``import`` or
+    ``--hf-checkpoint``, or ``--hf-config``) field for field, since training changes no field of it
+    and only the source knows its conventions (``rope_interleave``, ``initializer_range``, the rope
+    field form, ...), less ``quantization_config`` (the export writes plain weights); without a
+    source config, the one the recipe describes."""
+    if not source:
+        return dict(generated)
+    return {k: v for k, v in source.items() if k != "quantization_config"}
 
 
 def run_export(args: argparse.Namespace) -> str:
@@ -170,9 +186,7 @@ def run_export(args: argparse.Namespace) -> str:
     loaded = dist_checkpointing.load(state, directory)
     model.load_state_dict(loaded["model"])
     placement = read_checkpoint_placement(directory)
-    generated = family.hf_config_from_recipe(recipe)
-    config_json = {k: v for k, v in (hf_config or {}).items() if k != "quantization_config"}
-    config_json.update(generated)
+    config_json = exported_config(hf_config, family.hf_config_from_recipe(recipe))
     _log(f"exporting {directory} ({recipe.name}{', CAP placement undone' if placement else ''}) to {args.out}")
     try:
         report = export_hf_checkpoint([model], recipe_name, args.out, config_json,
@@ -203,6 +217,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    else creation_problem(os.path.join(args.out, "config.json")))  # inside it, if it exists
         if problem:
             parser.error(f"--out: {problem}")
+    from recipes.cpu_warnings import quiet_known_cpu_warnings
+
+    quiet_known_cpu_warnings()  # before the first Megatron-Core import
     _single_process_env()
     import torch.distributed as dist
 

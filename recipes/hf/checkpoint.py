@@ -80,6 +80,7 @@ class HFCheckpoint:
                                     f"safetensors weights)")
         self.max_open = max(1, max_open)
         self._handles: OrderedDict[str, object] = OrderedDict()
+        self._verified: set[str] = set()  # shards whose tensors were checked against the index
         self.bytes_read = 0
         self.names_read: set[str] = set()
 
@@ -97,7 +98,7 @@ class HFCheckpoint:
         return sorted(set(self._shard_of.values()))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._read(name, lambda h: h.get_slice(name).get_shape()))
 
     def _check(self, name: str) -> str:
         if name not in self._shard_of:
@@ -108,24 +109,56 @@ class HFCheckpoint:
         shard = self._shard_of[self._check(name)]
         handle = self._handles.pop(shard, None)
         if handle is None:
-            handle = _safe_open(os.path.join(self.directory, shard))
+            path = os.path.join(self.directory, shard)
+            handle = _safe_open(path)
+            if shard not in self._verified:
+                self._verify(shard, path, handle)
             while len(self._handles) >= self.max_open:
                 _, old = self._handles.popitem(last=False)
                 _close(old)
         self._handles[shard] = handle
         return handle
 
+    def _verify(self, shard: str, path: str, handle) -> None:
+        """The index's tensors of ``shard`` are all in it (else one error naming the file)."""
+        try:
+            present = set(handle.keys())
+        except Exception as err:  # noqa: BLE001 - safetensors' errors
+            _close(handle)
+            raise HFCheckpointError(f"{path}: not a readable safetensors file, damaged or truncated ({err}); "
+                                    "download or copy it again") from None
+        absent = sorted(n for n, s in self._shard_of.items() if s == shard and n not in present)
+        if absent:
+            _close(handle)
+            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+            raise HFCheckpointError(f"{path}: lacks {len(absent)} tensor(s) that {INDEX_FILE} places in it: "
+                                    f"{', '.join(absent[:3])}{more} (an index or shard from another copy? download "
+                                    "or copy them again)")
+        self._verified.add(shard)
+
+    def _read(self, name: str, read):
+        """``read(handle)`` of ``name``'s shard; a safetensors error names the file."""
+        from safetensors import SafetensorError
+
+        handle = self._handle(name)
+        try:
+            return read(handle)
+        except SafetensorError as err:
+            path = os.path.join(self.directory, self._shard_of[name])
+            raise HFCheckpointError(f"{path}: cannot read tensor {name!r} ({err}); the file is damaged or not the "
+                                    "one the index describes: download or copy it again") from None
+
     # -- reading ------------------------------------------------------------------------------
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` (in its stored dtype)."""
-        tensor = self._handle(name).get_tensor(name)
+        tensor = self._read(name, lambda h: h.get_tensor(name))
         self._count(name, tensor)
         return tensor
 
     def get_rows(self, name: str, index: Union[int, slice, Sequence[int]]) -> torch.Tensor:
         """Rows of ``name`` along its leading dimension, reading only those bytes: an int (the
         row without its leading dim), a slice, or a sequence of row ids (read run by run)."""
-        sliced = self._handle(name).get_slice(name)
+        sliced = self._read(name, lambda h: h.get_slice(name))
         rows = sliced.get_shape()[0]
         if isinstance(index, int):
             if not -rows <= index < rows:

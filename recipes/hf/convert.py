@@ -105,13 +105,15 @@ class Reader:
     """``read(name)``: an HF tensor as a transform sees it (for a fused-experts rule, only the
     context's expert row); ``read.has(name)``; ``read.rows(name, index)`` for explicit row reads."""
 
-    def __init__(self, ckpt: HFCheckpoint, expert_row: Optional[int] = None) -> None:
+    def __init__(self, ckpt: HFCheckpoint, expert_row: Optional[int] = None, missing_hint: str = "") -> None:
         self.ckpt = ckpt
         self.expert_row = expert_row
+        self.missing_hint = missing_hint  # appended to the missing-tensor error
 
     def __call__(self, name: str) -> torch.Tensor:
         if not self.ckpt.has(name):
-            raise ConversionError(f"{self.ckpt.directory}: tensor {name!r} is missing from the checkpoint")
+            raise ConversionError(f"{self.ckpt.directory}: tensor {name!r} is missing from the checkpoint"
+                                  f"{self.missing_hint}")
         if self.expert_row is not None:
             return self.ckpt.get_rows(name, self.expert_row)
         return self.ckpt.get(name)
@@ -565,7 +567,12 @@ def _import_one(entry: Entry, config, rule: _CompiledRule, groups: dict[str, int
     names = fam.hf_names(rule, groups, ckpt.config)
     ctx = Context(config=config, hf_config=ckpt.config, dtype=param.dtype,
                   megatron_name=entry.canonical, hf_names=names, groups=groups, device=param.device)
-    reader = Reader(ckpt, expert_row=groups["expert"] if rule.rule.fused_experts else None)
+    hint = ""
+    if groups.get("mtp") is not None:  # e.g. transformers' save_pretrained keeps config.json's MTP count, not the layer
+        hint = (f" (multi-token-prediction layer {groups['mtp']}, which config.json's num_nextn_predict_layers = "
+                f"{ckpt.config.get('num_nextn_predict_layers')} promises: pass --hf-drop-mtp to build the model "
+                "without MTP layers)")
+    reader = Reader(ckpt, expert_row=groups["expert"] if rule.rule.fused_experts else None, missing_hint=hint)
     full = TRANSFORMS[rule.transform_name].to_megatron(reader, names, ctx)
     tp_rank, tp_size, _ = _tp_group_of(entry)
     dim = _partition_dim(entry, tp_size)
