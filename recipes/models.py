@@ -56,15 +56,17 @@ class Recipe:
     rotary_base: float
     share_embeddings_and_output_weights: bool = False
     notes: list[str] = field(default_factory=list)
-    # MLA: eps of the q/kv latent norms (DeepSeek: 1e-6 whatever layernorm_epsilon); None: layernorm_epsilon
+    # MLA as DeepSeek builds it (megatron_llep/compat/mla_latent_norms.py): the q/kv latent norms' eps
+    # (1e-6 whatever layernorm_epsilon) and no query norm without a query LoRA; None: Megatron-Core's
+    # own MLA spec (e.g. a Megatron-LM checkpoint's model, recipes/pretrained.py)
     mla_latent_norm_eps: Optional[float] = None
 
     def _mla(self, spec, use_te: bool):
         if self.config.multi_latent_attention:
             if not use_te:
                 use_local_mla_attention(spec)
-            eps = self.config.layernorm_epsilon if self.mla_latent_norm_eps is None else self.mla_latent_norm_eps
-            exact_mla_latent_norms(spec, self.config, eps)
+            if self.mla_latent_norm_eps is not None:
+                exact_mla_latent_norms(spec, self.config, self.mla_latent_norm_eps)
         return spec
 
     def layer_spec(self, use_transformer_engine: Optional[bool] = None):

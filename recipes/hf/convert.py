@@ -571,7 +571,7 @@ def _import_one(entry: Entry, config, rule: _CompiledRule, groups: dict[str, int
     if groups.get("mtp") is not None:  # e.g. transformers' save_pretrained keeps config.json's MTP count, not the layer
         hint = (f" (multi-token-prediction layer {groups['mtp']}, which config.json's num_nextn_predict_layers = "
                 f"{ckpt.config.get('num_nextn_predict_layers')} promises: pass --hf-drop-mtp to build the model "
-                "without MTP layers)")
+                "without MTP layers; library: recipe_from_hf_config(..., drop_mtp=True))")
     reader = Reader(ckpt, expert_row=groups["expert"] if rule.rule.fused_experts else None, missing_hint=hint)
     full = TRANSFORMS[rule.transform_name].to_megatron(reader, names, ctx)
     tp_rank, tp_size, _ = _tp_group_of(entry)
