@@ -1,7 +1,8 @@
 """What the command-line entry points of recipes/ (finetune.py, evaluate.py, generate.py) do alike:
 report usage errors and bad input once per job (rank 0's line, exit status 2, no traceback), say
 what a long phase is doing, start the process group (NCCL on GPUs, gloo with the CPU compatibility
-layer on CPU) and the watchdog that ends a job whose ranks stopped making progress.
+layer on CPU) and the watchdog that ends a job whose ranks stopped making progress, and end with
+128 + the signal when a signal stopped the run (:meth:`EntryPoint.stopped_by`).
 
 Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):
 :class:`EntryPoint` holds it.
@@ -13,9 +14,10 @@ import argparse
 import datetime
 import math
 import os
+import signal
 import sys
 import time
-from typing import NoReturn, Optional, Sequence
+from typing import NoReturn, Optional, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
@@ -93,10 +95,10 @@ class EntryPoint:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def say(self, message: str) -> None:
-        """Print ``[name] message`` once per job (on rank 0)."""
+    def say(self, message: str, file: Optional[TextIO] = None) -> None:
+        """Print ``[name] message`` once per job (on rank 0), to ``file`` (default: stdout)."""
         if (dist.get_rank() if dist.is_initialized() else launch_rank()) == 0:
-            print(f"[{self.name}] {message}", flush=True)
+            print(f"[{self.name}] {message}", file=file or sys.stdout, flush=True)
 
     def progress(self, rank: int, message: str) -> None:
         """A line before a long phase (rank 0), so that a quiet minute is never a mystery; the phase is
@@ -152,6 +154,19 @@ class EntryPoint:
         if timeout:
             watchdog.Watchdog(timeout, rank, world, label=self.name).start()
         return rank, world, device
+
+    def stopped_by(self, signum: int, iteration: int, checkpoint: Optional[str], save: Optional[str],
+                   load: Optional[str]) -> NoReturn:
+        """End a run that a signal (SIGTERM: preemption, scancel; Ctrl-C) stopped after ``iteration``, after
+        it saved ``checkpoint`` (None: not saved) under ``save``: one line from rank 0 saying so and how to
+        resume, exit status 128 + the signal, as a shell reports a process the signal ended."""
+        if checkpoint:
+            same = load and save and os.path.realpath(load) == os.path.realpath(save)
+            how = f"saved in {checkpoint}; resume with {'the same command' if same else f'--load {save}'}"
+        else:
+            how = "not saved (no --save): its progress is lost"
+        self.say(f"stopped by {signal.Signals(signum).name} after iteration {iteration}: {how}", file=sys.stderr)
+        raise SystemExit(128 + signum)
 
     def finish(self) -> None:
         """End a run that went well: the watchdog, Megatron's process groups and the process group."""

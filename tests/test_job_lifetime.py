@@ -1,0 +1,94 @@
+"""How a job ends when its ranks are signalled (recipes/entry_point.py), on CPU with gloo and 2 ranks
+under launch/torchrun.py:
+
+* SIGTERM to the ranks themselves: they save, say how to resume, and exit 143.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_checkpoint_recovery import _alive, _cmdline, _descendants, _rank_pid
+from test_pretrain import _env, _free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER = os.path.join(ROOT, "launch", "torchrun.py")
+FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
+FINETUNE_ARGS = ["--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "100000"]
+
+
+class Job:
+    """A 2-rank job under launch/torchrun.py with its output in files. Leaving the block ends every
+    process of it still running: the launcher and whatever it started (tracked while waiting), each
+    only while it is still the process that was seen."""
+
+    def __init__(self, tmp_path, script: str, *args: str) -> None:
+        self.out_path, self.err_path = tmp_path / "out", tmp_path / "err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, LAUNCHER, "--nproc_per_node", "2", "--master_port",
+                                          _free_port(), script, *args], cwd=ROOT, env=_env(), stdout=out, stderr=err)
+        self.seen: dict[int, str] = {}
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.track()
+        for pid, cmdline in [(self.proc.pid, None), *self.seen.items()]:
+            if _alive(pid) and (cmdline is None or _cmdline(pid) == cmdline):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def track(self) -> None:
+        """Remember every process of the job running now."""
+        for pid in _descendants(self.proc.pid) - set(self.seen):
+            self.seen[pid] = _cmdline(pid)
+
+    def wait_for(self, text: str, deadline_s: float = 240, path=None) -> None:
+        """Until ``text`` is printed (to stdout unless ``path``)."""
+        path = path or self.out_path
+        deadline = time.monotonic() + deadline_s
+        while text not in path.read_text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()[-3000:]
+            self.track()
+            time.sleep(0.02)
+        self.track()
+
+    def rank(self, rank: int) -> int:
+        return _rank_pid(self.proc.pid, rank)
+
+    def wait(self) -> int:
+        return self.proc.wait(timeout=180)
+
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+
+def _stop_line(label: str, ckpt, iteration: int) -> str:
+    return (f"[{label}] stopped by SIGTERM after iteration {iteration}: saved in {ckpt}/iter_{iteration:07d}; "
+            f"resume with --load {ckpt}")
+
+
+def test_sigterm_to_the_ranks_saves_and_exits_143(tmp_path):
+    """SIGTERM sent to the ranks themselves (not to torchrun): they finish the step, save, say so in one
+    line with how to resume, and exit 128 + 15 like a process SIGTERM ended, not 0 like a finished run."""
+    ckpt = tmp_path / "ckpt"
+    with Job(tmp_path, FINETUNE, *FINETUNE_ARGS, "--save", str(ckpt)) as job:
+        job.wait_for("[finetune] step 2/")
+        for rank in (0, 1):
+            os.kill(job.rank(rank), signal.SIGTERM)
+        assert job.wait() == 128 + signal.SIGTERM, job.stderr()[-3000:]
+    iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert iteration >= 2
+    stops = [line for line in job.stderr().splitlines() if line.startswith("[finetune] stopped by")]
+    assert stops == [_stop_line("finetune", ckpt, iteration)], job.stderr()[-3000:]
+    assert "exited with status 143" in job.stderr().splitlines()[-1]
+    assert "Traceback" not in job.stderr()
