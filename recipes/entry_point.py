@@ -2,7 +2,8 @@
 report usage errors and bad input once per job (rank 0's line, exit status 2, no traceback), say
 what a long phase is doing, start the process group (NCCL on GPUs, gloo with the CPU compatibility
 layer on CPU) and the watchdog that ends a job whose ranks stopped making progress, and end with
-128 + the signal when a signal stopped the run (:meth:`EntryPoint.stopped_by`).
+128 + the signal when a signal stopped the run (:meth:`EntryPoint.stopped_by`). A rank started by
+torchrun stops (SIGTERM) when torchrun dies (recipes/parent_death.py).
 
 Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):
 :class:`EntryPoint` holds it.
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_llep.writable import creation_problem
+from recipes import parent_death
 
 # seconds a rank other than 0 waits, after finding a usage error, for the launcher to end it once rank 0
 # (which finds the same error) has reported it; then it reports the error itself
@@ -144,16 +146,25 @@ class EntryPoint:
 
     def start(self, watchdog_timeout: Optional[float]) -> tuple[int, int, torch.device]:
         """The process group and, unless ``watchdog_timeout`` is 0, the watchdog (None: its default for
-        this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after it."""
+        this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after it. See :meth:`watch`."""
         from recipes import watchdog
 
         timeout = watchdog_timeout
         if timeout is None:
             timeout = watchdog.default_timeout(torch.cuda.is_available())
         rank, world, device = self.init_distributed(watchdog.collective_timeout(timeout) if timeout else None)
-        if timeout:
-            watchdog.Watchdog(timeout, rank, world, label=self.name).start()
+        self.watch(timeout, rank, world)
         return rank, world, device
+
+    def watch(self, watchdog_timeout: float, rank: int, world: int) -> None:
+        """This rank's supervision where something else starts the process group (Megatron-LM): it
+        stops with torchrun, and unless ``watchdog_timeout`` is 0 a watchdog thread ends it when it
+        makes no progress."""
+        from recipes import watchdog
+
+        parent_death.follow_launcher()
+        if watchdog_timeout:
+            watchdog.Watchdog(watchdog_timeout, rank, world, label=self.name).start()
 
     def stopped_by(self, signum: int, iteration: int, checkpoint: Optional[str], save: Optional[str],
                    load: Optional[str]) -> NoReturn:

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Optional
 
+from recipes import parent_death
+
 EXIT_CODE = 124
 """Exit status of a rank ended by the watchdog (as ``timeout(1)``)."""
 
@@ -125,7 +127,9 @@ class Watchdog:
         store = None
         while not self._stopped.is_set():
             name, since = self._state
-            if store is None:  # (re)connect: a busy or restarted store host is no reason to give up
+            if parent_death.launcher_gone():  # its store went with it (and this rank is stopping on SIGTERM)
+                store = None
+            elif store is None:  # (re)connect: a busy or restarted store host is no reason to give up
                 store = self._connect()
             if store is not None:
                 try:

@@ -1,6 +1,7 @@
-"""How a job ends when its ranks are signalled (recipes/entry_point.py), on CPU with gloo and 2 ranks
-under launch/torchrun.py:
+"""How a job ends when its launcher is killed or its ranks are signalled (recipes/entry_point.py,
+recipes/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
 
+* kill -9 of torchrun: the ranks save and stop;
 * SIGTERM to the ranks themselves: they save, say how to resume, and exit 143.
 """
 
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from test_checkpoint_recovery import _alive, _cmdline, _descendants, _rank_pid
+from test_checkpoint_recovery import _alive, _cmdline, _descendants, _rank_pid, _wait_gone
 from test_pretrain import _env, _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,4 +92,21 @@ def test_sigterm_to_the_ranks_saves_and_exits_143(tmp_path):
     stops = [line for line in job.stderr().splitlines() if line.startswith("[finetune] stopped by")]
     assert stops == [_stop_line("finetune", ckpt, iteration)], job.stderr()[-3000:]
     assert "exited with status 143" in job.stderr().splitlines()[-1]
+    assert "Traceback" not in job.stderr()
+
+
+def test_the_ranks_of_a_killed_torchrun_save_and_stop(tmp_path):
+    """kill -9 of torchrun (the ranks' parent, which held the rendezvous store): the kernel sends the
+    ranks SIGTERM (PR_SET_PDEATHSIG), so they save and stop instead of going on unsupervised."""
+    ckpt = tmp_path / "ckpt"
+    with Job(tmp_path, FINETUNE, *FINETUNE_ARGS, "--save", str(ckpt)) as job:
+        job.wait_for("[finetune] step 2/")
+        ranks = [job.rank(0), job.rank(1)]
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.wait()
+        assert _wait_gone(ranks, 120) == [], job.stderr()[-3000:]
+    iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert (ckpt / f"iter_{iteration:07d}" / "checkpoint_manifest.json").is_file()
+    stops = [line for line in job.stderr().splitlines() if line.startswith("[finetune] stopped by")]
+    assert stops == [_stop_line("finetune", ckpt, iteration)], job.stderr()[-3000:]
     assert "Traceback" not in job.stderr()
