@@ -146,7 +146,8 @@ class EntryPoint:
 
     def start(self, watchdog_timeout: Optional[float]) -> tuple[int, int, torch.device]:
         """The process group and, unless ``watchdog_timeout`` is 0, the watchdog (None: its default for
-        this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after it. See :meth:`watch`."""
+        this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after its longest
+        allowance. See :meth:`watch`."""
         from recipes import watchdog
 
         timeout = watchdog_timeout
@@ -159,7 +160,7 @@ class EntryPoint:
     def watch(self, watchdog_timeout: float, rank: int, world: int) -> None:
         """This rank's supervision where something else starts the process group (Megatron-LM): it
         stops with torchrun, and unless ``watchdog_timeout`` is 0 a watchdog thread ends it when it
-        makes no progress."""
+        makes no progress. Start-up is a long phase until the first :func:`recipes.watchdog.progress`."""
         from recipes import watchdog
 
         parent_death.follow_launcher()

@@ -317,12 +317,13 @@ class _StopRequest:
 
 
 def _save(args, model, optimizer, scheduler, progress, run_info: dict, placement, is_logger: bool) -> str:
-    from recipes import checkpointing
+    from recipes import checkpointing, watchdog
 
     _progress(dist.get_rank(), f"saving iteration {progress.iteration} to {args.save}")
     start = time.perf_counter()
-    directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info, placement,
-                                              verify=args.checkpoint_verify)
+    with watchdog.long_phases():
+        directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info,
+                                                  placement, verify=args.checkpoint_verify)
     if is_logger:
         print(f"[finetune] saved {directory} in {time.perf_counter() - start:.1f} s", flush=True)
     return directory
@@ -407,8 +408,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if resuming:
         _progress(rank, f"loading the checkpoint {resume_from}")
         try:
-            progress = checkpointing.load_checkpoint(resume_from, model, optimizer, scheduler, run_info, RESUME_MUST_MATCH,
-                                                    placement)
+            with watchdog.long_phases():
+                progress = checkpointing.load_checkpoint(resume_from, model, optimizer, scheduler, run_info,
+                                                        RESUME_MUST_MATCH, placement)
         except checkpointing.CheckpointError as err:
             _fail(err, rank)
         if is_logger:

@@ -110,3 +110,23 @@ def test_the_ranks_of_a_killed_torchrun_save_and_stop(tmp_path):
     stops = [line for line in job.stderr().splitlines() if line.startswith("[finetune] stopped by")]
     assert stops == [_stop_line("finetune", ckpt, iteration)], job.stderr()[-3000:]
     assert "Traceback" not in job.stderr()
+
+
+# --- the pieces, in this process ------------------------------------------------------------------------
+
+def test_start_up_and_checkpoint_phases_are_long_ones(monkeypatch):
+    """Start-up and checkpoint saves and loads may take 4 timeouts; leaving them restarts the clock."""
+    from recipes import watchdog
+
+    dog = watchdog.Watchdog(10, rank=0, world=2)
+    monkeypatch.setattr(watchdog, "_active", dog)
+    assert dog._state[2] is True  # start-up
+    watchdog.progress("step 1")
+    assert dog._state[::2] == ("step 1", False)
+    with watchdog.long_phases():
+        watchdog.progress("saving iteration 1")
+        assert dog._state[::2] == ("saving iteration 1", True)
+    assert dog._state[::2] == ("saving iteration 1", False)
+    watchdog.progress("building the model", long=True)
+    assert dog._state[::2] == ("building the model", True)
+    assert watchdog.collective_timeout(60).total_seconds() == 4 * 60 + 120
