@@ -1,9 +1,10 @@
 """What the command-line entry points of recipes/ (finetune.py, evaluate.py, generate.py) do alike:
 report usage errors and bad input once per job (rank 0's line, exit status 2, no traceback), say
 what a long phase is doing, start the process group (NCCL on GPUs, gloo with the CPU compatibility
-layer on CPU) and the watchdog that ends a job whose ranks stopped making progress, and end with
-128 + the signal when a signal stopped the run (:meth:`EntryPoint.stopped_by`). A rank started by
-torchrun stops (SIGTERM) when torchrun dies (recipes/parent_death.py).
+layer on CPU), the watchdog that ends a job whose ranks stopped making progress, and end in one
+line, not a traceback, when another rank died (:meth:`EntryPoint.ending_cleanly`) or when a signal
+stopped the run (:meth:`EntryPoint.stopped_by`). A rank started by torchrun stops (SIGTERM) when
+torchrun dies (recipes/parent_death.py).
 
 Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):
 :class:`EntryPoint` holds it.
@@ -12,13 +13,14 @@ Every line an entry point prints starts with its name (``[finetune] ...``, ``[ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
 import signal
 import sys
 import time
-from typing import NoReturn, Optional, Sequence, TextIO
+from typing import Iterator, NoReturn, Optional, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
@@ -166,6 +168,24 @@ class EntryPoint:
         parent_death.follow_launcher()
         if watchdog_timeout:
             watchdog.Watchdog(watchdog_timeout, rank, world, label=self.name).start()
+
+    @contextlib.contextmanager
+    def ending_cleanly(self) -> Iterator[None]:
+        """Around an entry point's work: an error caused by a rank that died (its collective's peer is
+        gone) ends this rank with one line for the job naming that rank, exit status
+        :data:`recipes.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback; this rank's own
+        errors pass through."""
+        from recipes import watchdog
+
+        try:
+            yield
+        except Exception as err:  # a lost peer is handled, the rest re-raised
+            line = watchdog.lost_peer_line(err)
+            if line is None:
+                raise
+            if line:
+                print(f"[{self.name}] error: {line}", file=sys.stderr, flush=True)
+            raise SystemExit(watchdog.LOST_PEER_EXIT_CODE) from None
 
     def stopped_by(self, signum: int, iteration: int, checkpoint: Optional[str], save: Optional[str],
                    load: Optional[str]) -> NoReturn:

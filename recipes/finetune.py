@@ -555,9 +555,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Fine-tune; a run a signal stopped exits with 128 + the signal after saving."""
+    """Fine-tune; a run a signal stopped exits with 128 + the signal after saving, a rank that died
+    ends the others in one line (:class:`recipes.entry_point.EntryPoint`)."""
     args = parse_args(argv)
-    summary = train(args)
+    with ENTRY.ending_cleanly():
+        summary = train(args)
     if summary["stopped_by"]:
         ENTRY.stopped_by(summary["stopped_by"], summary["iteration"], summary["checkpoint"], args.save, args.load)
 

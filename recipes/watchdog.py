@@ -8,8 +8,12 @@ no message. Every rank runs a :class:`Watchdog` thread that
 * when its own phase (set with :func:`progress`) has not changed for ``timeout`` seconds
   (:data:`LONG_PHASE_FACTOR` times that in start-up and checkpoint phases, :func:`long_phases`), reads
   everyone's heartbeats and exits with :data:`EXIT_CODE`. The lowest rank still beating prints the one line: which ranks
-  went silent (stopped, killed or cut off) and in which phase, which are waiting where.
+  went silent (stopped, killed or cut off) or died, and in which phase, which are waiting where.
   torchrun, or srun with ``--kill-on-bad-exit``, then ends the remaining ranks.
+
+A rank whose collective fails because a peer died (kill -9, the OOM killer: gloo's "Connection
+reset by peer") reports it with :func:`lost_peer_line` instead of a traceback: the heartbeats carry
+each rank's pid and host, so a dead peer on the same machine is named at once.
 
 The process group's own timeout (``init_process_group(timeout=...)``) is the backstop where the
 watchdog thread cannot run; set it above the watchdog's (see :func:`collective_timeout`).
@@ -23,6 +27,7 @@ import datetime
 import json
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -33,10 +38,17 @@ from recipes import parent_death
 EXIT_CODE = 124
 """Exit status of a rank ended by the watchdog (as ``timeout(1)``)."""
 
+LOST_PEER_EXIT_CODE = 1
+"""Exit status of a rank that ends because another rank died (see :func:`lost_peer_line`)."""
+
 LONG_PHASE_FACTOR = 4
 """Start-up and checkpoint phases (:func:`long_phases`) may go this many timeouts without progress: they
 are single opaque calls (Megatron-LM's set-up, a dist_checkpointing save of every rank's shards) that
 can take far longer than a training step."""
+
+CONNECTION_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+                   "NCCL communicator was aborted", "remote process exited")
+"""What a collective's error says when a peer rank's process is gone (gloo's TCP pairs, NCCL)."""
 
 CPU_DEFAULT_TIMEOUT = 60.0
 GPU_DEFAULT_TIMEOUT = 600.0
@@ -85,6 +97,25 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {text}"
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie waiting to be reaped has died); without
+    /proc (not Linux) it cannot be told: yes."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return not os.path.isdir("/proc/self")
+
+
+def _machine() -> str:
+    """This host and PID namespace: pids of heartbeats from the same one can be checked here."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}/{namespace}"
+
+
 _active: Optional["Watchdog"] = None
 _long_depth = 0  # > 0 inside long_phases()
 
@@ -117,6 +148,23 @@ def stop() -> None:
         _active.stop()
 
 
+def lost_peer_line(error: BaseException) -> Optional[str]:
+    """After ``error`` ended this rank's work: the line that says which rank died (or that a peer's
+    connection closed) and that the job is ending, ``""`` when another rank says it, None when no peer
+    is lost (``error`` is this rank's own). Peers are judged by their heartbeats (a same-machine pid
+    that is gone, a heartbeat gone stale), waiting a few seconds for them when the error is a lost
+    connection that no heartbeat explains yet."""
+    messages, cause = [], error  # the error and what caused it: a wrapped gloo error still counts
+    while cause is not None and len(messages) < 8:
+        messages.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    connection = next((text for text in CONNECTION_LOST if any(text in m for m in messages)), None)
+    if _active is None:
+        return f"lost the connection to another rank ({connection}): a rank died or was cut off; ending the job" \
+            if connection else None
+    return _active.lost_peer(connection)
+
+
 class Watchdog:
     """Ends this rank, with one line for the job, when its phase does not change for ``timeout`` s.
 
@@ -127,7 +175,9 @@ class Watchdog:
         self.timeout, self.rank, self.world, self.label = timeout, rank, world, label
         self.interval = min(10.0, max(0.5, timeout / 10))
         self._min_gap = max(0.2, self.interval / 10)  # heartbeats per second per rank: at most 5
+        self._stale = 3 * self.interval + 2  # a heartbeat older than this: its rank went silent
         self._state = ("start-up", time.monotonic(), True)  # (phase, since, long)
+        self._machine = _machine()
         self._stopped = threading.Event()
         self._wake = threading.Event()  # a new phase: beat it soon, so a stopped rank's last phase is known
         run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID", "")
@@ -156,6 +206,34 @@ class Watchdog:
         self._wake.set()
         self._thread.join()
 
+    def lost_peer(self, connection: Optional[str]) -> Optional[str]:
+        """:func:`lost_peer_line` for this rank; ``connection``: what its error says of a lost connection."""
+        name = self.current_phase()
+        self.phase(f"{name}, ending the job")  # the clock restarts: no second line from the thread meanwhile
+        store = self._connect()
+        deadline = time.monotonic() + (min(15.0, self._stale) if connection else 0.0)
+        gone: dict[int, str] = {}
+        while store is not None:
+            try:
+                if store.check([f"{self._prefix}reported"]):
+                    return ""  # another rank (or its watchdog) told the job already
+            except RuntimeError:
+                store = None
+                break
+            beats, now = self._beats(store), time.time()
+            gone = {r: how for r, how in self._gone(beats or {}, now).items() if beats[r] is not None}
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not gone and not connection:
+            return None
+        if store is not None and not self._claim(store):
+            return ""
+        if gone:
+            return f"{'; '.join(self._describe(beats, gone, now))}; ending the job"
+        return (f"lost the connection to another rank ({connection}) in {name}, and no heartbeat says which one died "
+                "or was cut off; ending the job")
+
     # --- the thread ---------------------------------------------------------------------------
 
     def _connect(self):
@@ -180,7 +258,8 @@ class Watchdog:
             if store is not None:
                 try:
                     store.set(f"{self._prefix}beat/{self.rank}",
-                              json.dumps({"phase": name, "beat": time.time()}))
+                              json.dumps({"phase": name, "beat": time.time(), "pid": os.getpid(),
+                                          "machine": self._machine}))
                 except RuntimeError:
                     store = None
             stuck_for = time.monotonic() - since
@@ -198,6 +277,38 @@ class Watchdog:
         except (RuntimeError, ValueError):
             return None
 
+    def _gone(self, beats: dict[int, Optional[dict]], now: float) -> dict[int, str]:
+        """The other ranks that ``"died"`` (their process on this machine is gone) or went ``"silent"``
+        (no heartbeat for a while, or never one)."""
+        gone = {}
+        for r, beat in beats.items():
+            if r == self.rank:
+                continue
+            if beat is not None and beat.get("machine") == self._machine and not _running(beat["pid"]):
+                gone[r] = "died"
+            elif beat is None or now - beat["beat"] > self._stale:
+                gone[r] = "silent"
+        return gone
+
+    @staticmethod
+    def _describe(beats: dict[int, Optional[dict]], gone: dict[int, str], now: float) -> list[str]:
+        """What became of the ``gone`` ranks, grouped by how and by their last phase."""
+        parts = []
+        for how in ("died", "silent"):
+            heard = {r: beats[r] for r, h in gone.items() if h == how and beats[r] is not None}
+            for phase in sorted({b["phase"] for b in heard.values()}):
+                ranks = [r for r, b in heard.items() if b["phase"] == phase]
+                if how == "died":
+                    parts.append(f"{_ranks(ranks)} died, last heard in {phase}")
+                else:
+                    ago = max(now - heard[r]["beat"] for r in ranks)
+                    parts.append(f"{_ranks(ranks)} silent for {ago:.0f} s, last heard in {phase} "
+                                 "(stopped, killed or cut off)")
+        never = [r for r in gone if beats[r] is None]
+        if never:
+            parts.append(f"{_ranks(never)} silent since start-up (stopped, killed or cut off)")
+        return parts
+
     def _expire(self, store, name: str, stuck_for: float, long: bool) -> None:
         beats = self._beats(store) if store is not None else None
         allowance = f"{LONG_PHASE_FACTOR} x " if long else ""
@@ -207,18 +318,11 @@ class Watchdog:
             line = (f"{head}: rank {self.rank} stuck in {name}; the other ranks' heartbeats are unreadable "
                     f"(is the rendezvous host {os.environ.get('MASTER_ADDR', '?')} stopped?); ending the job")
             self._exit(line)
-        now, stale = time.time(), 3 * self.interval + 2
+        now = time.time()
         beats[self.rank] = {"phase": name, "beat": now}
-        silent = {r: b for r, b in beats.items() if b is None or now - b["beat"] > stale}
-        live = {r: b for r, b in beats.items() if r not in silent}
-        parts = []
-        for phase in sorted({b["phase"] for b in silent.values() if b}):
-            ranks = [r for r, b in silent.items() if b and b["phase"] == phase]
-            ago = max(now - silent[r]["beat"] for r in ranks)
-            parts.append(f"{_ranks(ranks)} silent for {ago:.0f} s, last heard in {phase} (stopped, killed or cut off)")
-        never = [r for r, b in silent.items() if b is None]
-        if never:
-            parts.append(f"{_ranks(never)} silent since start-up (stopped, killed or cut off)")
+        gone = self._gone(beats, now)
+        live = {r: b for r, b in beats.items() if r not in gone}
+        parts = self._describe(beats, gone, now)
         for phase in sorted({b["phase"] for b in live.values()}):
             parts.append(f"{_ranks([r for r, b in live.items() if b['phase'] == phase])} stuck in {phase}")
         line = f"{head}: {'; '.join(parts)}; ending the job"
@@ -233,15 +337,17 @@ class Watchdog:
             except RuntimeError:
                 break
             time.sleep(0.5)
-        self._exit(line)
+        self._exit(line, store)
+
+    def _claim(self, store) -> bool:
+        """Whether this rank is the first to tell the job why it ends (the others stay quiet)."""
+        try:
+            return store.add(f"{self._prefix}reported", 1) == 1
+        except RuntimeError:
+            return True
 
     def _exit(self, line: Optional[str], store=None) -> None:
-        if line is not None:
+        if line is not None and (store is None or self._claim(store)):
             print(line, file=sys.stderr, flush=True)
-            if store is not None:
-                try:
-                    store.set(f"{self._prefix}reported", str(self.rank))
-                except RuntimeError:
-                    pass
         sys.stdout.flush()
         os._exit(EXIT_CODE)

@@ -1,6 +1,7 @@
-"""How a job ends when its launcher is killed or its ranks are signalled (recipes/entry_point.py,
-recipes/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
+"""How a job ends when one of its ranks, or its launcher, is killed or signalled (recipes/entry_point.py,
+recipes/watchdog.py, recipes/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
 
+* kill -9 of a rank: the surviving rank says in one line which rank died; no traceback;
 * kill -9 of torchrun: the ranks save and stop;
 * SIGTERM to the ranks themselves: they save, say how to resume, and exit 143.
 """
@@ -72,10 +73,30 @@ class Job:
     def stderr(self) -> str:
         return self.err_path.read_text()
 
+    def errors(self, label: str) -> list[str]:
+        return [line for line in self.stderr().splitlines() if line.startswith(f"[{label}] error:")]
+
 
 def _stop_line(label: str, ckpt, iteration: int) -> str:
     return (f"[{label}] stopped by SIGTERM after iteration {iteration}: saved in {ckpt}/iter_{iteration:07d}; "
             f"resume with --load {ckpt}")
+
+
+def test_a_killed_rank_is_named_in_one_line(tmp_path):
+    """kill -9 rank 1 mid-run: rank 0's collective fails (gloo: connection reset); it prints one line naming
+    rank 1, which its heartbeat's pid shows dead, and exits non-zero; no traceback anywhere."""
+    with Job(tmp_path, FINETUNE, *FINETUNE_ARGS) as job:
+        job.wait_for("[finetune] step 3/")
+        victim = job.rank(1)
+        os.kill(victim, signal.SIGKILL)
+        assert job.wait() == 128 + signal.SIGKILL
+    stderr = job.stderr()
+    errors = job.errors("finetune")
+    assert len(errors) == 1 and errors[0].startswith("[finetune] error: rank 1 died, last heard in "), stderr[-3000:]
+    assert errors[0].endswith("; ending the job")
+    # the launcher's line: rank 0 failed too (with the lost-peer status, not torchrun's SIGTERM: it ignores that)
+    assert f"[torchrun] rank 1 (pid {victim}) was killed by SIGKILL (1 other rank(s) failed after it)" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
 
 
 def test_sigterm_to_the_ranks_saves_and_exits_143(tmp_path):
@@ -130,3 +151,45 @@ def test_start_up_and_checkpoint_phases_are_long_ones(monkeypatch):
     watchdog.progress("building the model", long=True)
     assert dog._state[::2] == ("building the model", True)
     assert watchdog.collective_timeout(60).total_seconds() == 4 * 60 + 120
+
+
+def test_a_lost_connection_is_told_from_a_ranks_own_error():
+    """Without a watchdog (no heartbeats), a collective's lost connection still ends in one line; any other
+    error is this rank's own and keeps its traceback."""
+    from recipes.watchdog import lost_peer_line
+
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:9134: Connection reset by peer. "
+                        "This is typically caused by a remote worker hanging")
+    assert lost_peer_line(gloo) == ("lost the connection to another rank (Connection reset by peer): a rank died or "
+                                    "was cut off; ending the job")
+    try:  # wrapped by the code that caught it
+        try:
+            raise gloo
+        except RuntimeError as err:
+            raise ValueError("the step failed") from err
+    except ValueError as wrapped:
+        assert lost_peer_line(wrapped).startswith("lost the connection to another rank (Connection reset by peer)")
+    assert lost_peer_line(ValueError("a bug")) is None
+
+
+def test_the_watchdog_tells_dead_ranks_from_silent_ones():
+    """A rank whose process on this machine is gone died; one whose heartbeat is stale (its process stopped,
+    or on another machine) went silent; a fresh heartbeat from another machine is live."""
+    from recipes import watchdog
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(finished.stdout)
+    dog = watchdog.Watchdog(10, rank=0, world=5)
+    now = time.time()
+    here = watchdog._machine()
+    beats = {0: {"phase": "step 4", "beat": now, "pid": os.getpid(), "machine": here},
+             1: {"phase": "step 3", "beat": now - 1, "pid": dead_pid, "machine": here},
+             2: {"phase": "step 3", "beat": now - 60, "pid": os.getpid(), "machine": here},
+             3: None,
+             4: {"phase": "step 4", "beat": now - 1, "pid": dead_pid, "machine": "elsewhere/1"}}
+    gone = dog._gone(beats, now)
+    assert gone == {1: "died", 2: "silent", 3: "silent"}
+    assert dog._describe(beats, gone, now) == [
+        "rank 1 died, last heard in step 3",
+        "rank 2 silent for 60 s, last heard in step 3 (stopped, killed or cut off)",
+        "rank 3 silent since start-up (stopped, killed or cut off)"]
