@@ -1,9 +1,9 @@
-"""What the command-line entry points of recipes/ (finetune.py, evaluate.py, generate.py) do alike:
-report usage errors and bad input once per job (rank 0's line, exit status 2, no traceback), say
-what a long phase is doing, start the process group (NCCL on GPUs, gloo with the CPU compatibility
-layer on CPU), the watchdog that ends a job whose ranks stopped making progress, and end in one
-line, not a traceback, when another rank died (:meth:`EntryPoint.ending_cleanly`) or when a signal
-stopped the run (:meth:`EntryPoint.stopped_by`). A rank started by torchrun stops (SIGTERM) when
+"""What the command-line entry points of recipes/ (finetune.py, evaluate.py, generate.py; pretrain_gpt.py
+its supervision) do alike: report usage errors and bad input once per job (rank 0's line, exit status
+2, no traceback), say what a long phase is doing, start the process group (NCCL on GPUs, gloo with the
+CPU compatibility layer on CPU), the watchdog that ends a job whose ranks stopped making progress, and
+end in one line, not a traceback, when another rank died (:meth:`EntryPoint.ending_cleanly`) or when a
+signal stopped the run (:meth:`EntryPoint.stopped_by`). A rank started by torchrun stops (SIGTERM) when
 torchrun dies (recipes/parent_death.py).
 
 Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):

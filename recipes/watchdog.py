@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from recipes import parent_death
 
@@ -83,6 +84,34 @@ def timeout_problem(value: Optional[float]) -> Optional[str]:
     if value is not None and not (math.isfinite(value) and value >= 0):
         return f"--watchdog-timeout must be >= 0 seconds (0: off), got {value}"
     return None
+
+
+def megatron_lm_timeouts(argv: Sequence[str], on_gpu: bool) -> tuple[float, list[str]]:
+    """The ``--watchdog-timeout`` of a Megatron-LM command line (0: off; absent: this machine's default)
+    and the command line with Megatron-LM's ``--distributed-timeout-minutes`` (its collectives' timeout)
+    above the watchdog's longest allowance, added when absent. ``ValueError`` (one line) for a bad
+    timeout or a given collective timeout that would end a stuck step before the watchdog names it."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--watchdog-timeout", type=float, default=None)
+    parser.add_argument("--distributed-timeout-minutes", type=int, default=None)
+    try:
+        known, _ = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as err:  # e.g. a value that is not a number
+        raise ValueError(str(err)) from None
+    problem = timeout_problem(known.watchdog_timeout)
+    if problem:
+        raise ValueError(problem)
+    timeout = default_timeout(on_gpu) if known.watchdog_timeout is None else known.watchdog_timeout
+    if not timeout:
+        return 0.0, list(argv)
+    if known.distributed_timeout_minutes is None:
+        minutes = math.ceil(collective_timeout(timeout).total_seconds() / 60)
+        return timeout, [*argv, "--distributed-timeout-minutes", str(minutes)]
+    if known.distributed_timeout_minutes * 60 < timeout + 30:
+        raise ValueError(f"--distributed-timeout-minutes {known.distributed_timeout_minutes} ends a stuck collective "
+                         f"before the watchdog (--watchdog-timeout {timeout:g}) can name the rank that holds it up: "
+                         f"give at least {math.ceil((timeout + 30) / 60)}, or a lower --watchdog-timeout")
+    return timeout, list(argv)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -140,6 +169,18 @@ def long_phases() -> Iterator[None]:
         _long_depth -= 1
         if _active is not None:
             _active.phase(_active.current_phase())
+
+
+def during(phase: str, function: Callable, long: bool = False) -> Callable:
+    """``function`` entering ``phase`` (see :func:`progress`) whenever it is called: the phases of code
+    that calls back, such as Megatron-LM's model and dataset providers."""
+
+    @functools.wraps(function)
+    def in_phase(*args: Any, **kwargs: Any) -> Any:
+        progress(phase, long)
+        return function(*args, **kwargs)
+
+    return in_phase
 
 
 def stop() -> None:

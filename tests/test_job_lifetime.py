@@ -1,15 +1,22 @@
-"""How a job ends when one of its ranks, or its launcher, is killed or signalled (recipes/entry_point.py,
-recipes/watchdog.py, recipes/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
+"""How a job ends when one of its ranks, or its launcher, is killed, stopped or signalled, for the
+fine-tuning loop and Megatron-LM's (recipes/entry_point.py, recipes/watchdog.py,
+recipes/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
 
 * kill -9 of a rank: the surviving rank says in one line which rank died; no traceback;
+* kill -9 of a pretraining rank during a save: none of its processes survives it (Megatron-Core's
+  result Manager and its resource tracker are never started), and the survivor's line names it;
+* SIGSTOP of a pretraining rank: its watchdog names it (Megatron-LM's collective timeout is above it);
 * kill -9 of torchrun: the ranks save and stop;
 * SIGTERM to the ranks themselves: they save, say how to resume, and exit 143.
+
+The pretraining tests need megatron.training (megatron-core >= 0.17) and skip without it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,12 +25,14 @@ import time
 import pytest
 
 from test_checkpoint_recovery import _alive, _cmdline, _descendants, _rank_pid, _wait_gone
-from test_pretrain import _env, _free_port
+from test_pretrain import MODEL, TRAINING, _env, _free_port, needs_megatron_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "launch", "torchrun.py")
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
+PRETRAIN = os.path.join(ROOT, "recipes", "pretrain_gpt.py")
 FINETUNE_ARGS = ["--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "100000"]
+PRETRAIN_STEP_2 = " iteration        2/"  # Megatron-LM's progress line after the second step
 
 
 class Job:
@@ -77,6 +86,16 @@ class Job:
         return [line for line in self.stderr().splitlines() if line.startswith(f"[{label}] error:")]
 
 
+@pytest.fixture(scope="module")
+def pretrain_data(tmp_path_factory) -> list[str]:
+    """Megatron-LM's data flags for a tiny indexed dataset of the shipped SFT records."""
+    from recipes.make_indexed_dataset import build_indexed_dataset
+
+    out = tmp_path_factory.mktemp("lifetime_data")
+    prefix, _, _ = build_indexed_dataset(os.path.join(ROOT, "recipes", "data", "tiny_sft.jsonl"), str(out / "sft"))
+    return [*MODEL, *TRAINING, "--data-path", prefix, "--data-cache-path", str(out / "cache"), "--train-iters", "100000"]
+
+
 def _stop_line(label: str, ckpt, iteration: int) -> str:
     return (f"[{label}] stopped by SIGTERM after iteration {iteration}: saved in {ckpt}/iter_{iteration:07d}; "
             f"resume with --load {ckpt}")
@@ -99,19 +118,76 @@ def test_a_killed_rank_is_named_in_one_line(tmp_path):
     assert "Traceback" not in stderr, stderr[-3000:]
 
 
-def test_sigterm_to_the_ranks_saves_and_exits_143(tmp_path):
-    """SIGTERM sent to the ranks themselves (not to torchrun): they finish the step, save, say so in one
-    line with how to resume, and exit 128 + 15 like a process SIGTERM ended, not 0 like a finished run."""
+@needs_megatron_training
+def test_a_pretraining_rank_killed_during_a_save_leaves_nothing_running(tmp_path, pretrain_data):
+    """kill -9 rank 1 as Megatron-LM starts writing the 3rd checkpoint (one per step; a save of this
+    model takes a fraction of a second, so it may just have ended): no process of the job survives.
+    Megatron-Core's results Manager (~300 MB, spawned at the first save) and its resource tracker,
+    which would outlive the killed rank, are never started. Rank 0 (which, with --exit-signal-handler,
+    finishes its step on torchrun's SIGTERM instead of dying at once) says which rank died."""
     ckpt = tmp_path / "ckpt"
-    with Job(tmp_path, FINETUNE, *FINETUNE_ARGS, "--save", str(ckpt)) as job:
-        job.wait_for("[finetune] step 2/")
+    with Job(tmp_path, PRETRAIN, *pretrain_data, "--save", str(ckpt), "--save-interval", "1",
+             "--exit-signal-handler") as job:
+        job.wait_for(" iteration        1/")
+        victim, deadline, tracked = job.rank(1), time.monotonic() + 240, 0.0
+        while not (ckpt / "iter_0000003").exists():  # Megatron-LM writes into it directly
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.stderr()[-3000:]
+            if time.monotonic() - tracked > 0.25:  # the Manager would live from the first save on
+                job.track()
+                tracked = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        assert job.wait() == 128 + signal.SIGKILL
+        leftover = _wait_gone(list(job.seen), 60)
+        assert leftover == [], [f"{pid}: {job.seen[pid]}" for pid in leftover]
+    assert len(job.seen) > 2 and not [cmdline for cmdline in job.seen.values() if "multiprocessing" in cmdline]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() in ("2", "3")
+    errors = job.errors("pretrain_gpt")
+    assert len(errors) == 1 and errors[0].startswith("[pretrain_gpt] error: rank 1 died, last heard in "), \
+        job.stderr()[-3000:]
+    assert errors[0].endswith("; ending the job") and "Traceback" not in job.stderr(), job.stderr()[-3000:]
+
+
+@needs_megatron_training
+def test_the_pretraining_watchdog_names_a_stopped_rank(tmp_path, pretrain_data):
+    """SIGSTOP rank 1 after step 2: rank 0's watchdog (--watchdog-timeout 10) names it in one line and ends
+    rank 0 (exit 124); Megatron-LM's collectives time out only later (--distributed-timeout-minutes, set
+    above the watchdog's longest allowance: 4 x 10 s + 30 s, 2 minutes)."""
+    with Job(tmp_path, PRETRAIN, *pretrain_data, "--watchdog-timeout", "10") as job:
+        job.wait_for(PRETRAIN_STEP_2)
+        rank0, stopped = job.rank(0), job.rank(1)
+        os.kill(stopped, signal.SIGSTOP)
+        assert _wait_gone([rank0], 120) == [], job.stderr()[-3000:]
+        os.kill(stopped, signal.SIGKILL)  # torchrun would after 30 s
+        assert job.wait() == 124
+    errors = job.errors("pretrain_gpt")
+    assert len(errors) == 1, job.stderr()[-3000:]
+    assert errors[0].startswith("[pretrain_gpt] error: no progress for 1")  # 10-19 s
+    assert re.search(r"\(--watchdog-timeout 10\): rank 1 silent for 1\d s, last heard in step \d+ \(stopped, killed "
+                     r"or cut off\); rank 0 stuck in step \d+; ending the job$", errors[0]), errors[0]
+    assert "distributed_timeout_minutes ..................... 2\n" in job.out_path.read_text()
+    assert "Traceback" not in job.stderr()
+
+
+@pytest.mark.parametrize("entry", ["finetune", pytest.param("pretrain_gpt", marks=needs_megatron_training)])
+def test_sigterm_to_the_ranks_saves_and_exits_143(entry, tmp_path, request):
+    """SIGTERM sent to the ranks themselves (not to torchrun): they finish the step, save, say so in one
+    line with how to resume, and exit 128 + 15 like a process SIGTERM ended, not 0 like a finished run.
+    Megatron-LM saves on a signal only with its --exit-signal-handler."""
+    ckpt = tmp_path / "ckpt"
+    if entry == "finetune":
+        script, args, step_2 = FINETUNE, FINETUNE_ARGS, "[finetune] step 2/"
+    else:
+        script, step_2 = PRETRAIN, PRETRAIN_STEP_2
+        args = [*request.getfixturevalue("pretrain_data"), "--save-interval", "1000", "--exit-signal-handler"]
+    with Job(tmp_path, script, *args, "--save", str(ckpt)) as job:
+        job.wait_for(step_2)
         for rank in (0, 1):
             os.kill(job.rank(rank), signal.SIGTERM)
         assert job.wait() == 128 + signal.SIGTERM, job.stderr()[-3000:]
     iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert iteration >= 2
-    stops = [line for line in job.stderr().splitlines() if line.startswith("[finetune] stopped by")]
-    assert stops == [_stop_line("finetune", ckpt, iteration)], job.stderr()[-3000:]
+    stops = [line for line in job.stderr().splitlines() if "stopped by" in line and line.startswith(f"[{entry}]")]
+    assert stops == [_stop_line(entry, ckpt, iteration)], job.stderr()[-3000:]
     assert "exited with status 143" in job.stderr().splitlines()[-1]
     assert "Traceback" not in job.stderr()
 
@@ -151,6 +227,24 @@ def test_start_up_and_checkpoint_phases_are_long_ones(monkeypatch):
     watchdog.progress("building the model", long=True)
     assert dog._state[::2] == ("building the model", True)
     assert watchdog.collective_timeout(60).total_seconds() == 4 * 60 + 120
+
+
+def test_megatron_lms_collective_timeout_is_set_above_the_watchdog():
+    from recipes.watchdog import megatron_lm_timeouts
+
+    # the longest allowance (4 timeouts) plus half of it, in whole minutes: 60 s -> 360 s, 600 s -> 3600 s
+    assert megatron_lm_timeouts(["--llep"], on_gpu=False) == (60.0, ["--llep", "--distributed-timeout-minutes", "6"])
+    assert megatron_lm_timeouts([], on_gpu=True) == (600.0, ["--distributed-timeout-minutes", "60"])
+    assert megatron_lm_timeouts(["--watchdog-timeout", "0"], on_gpu=False) == (0.0, ["--watchdog-timeout", "0"])
+    given = ["--watchdog-timeout", "60", "--distributed-timeout-minutes", "2"]
+    assert megatron_lm_timeouts(given, on_gpu=False) == (60.0, given)  # a shorter one, but above a step's allowance
+    with pytest.raises(ValueError, match=r"^--distributed-timeout-minutes 1 ends a stuck collective before the "
+                                         r"watchdog \(--watchdog-timeout 60\) can name .*give at least 2, or a lower"):
+        megatron_lm_timeouts(["--watchdog-timeout", "60", "--distributed-timeout-minutes", "1"], on_gpu=False)
+    with pytest.raises(ValueError, match=r"^--watchdog-timeout must be >= 0 seconds \(0: off\), got -1.0$"):
+        megatron_lm_timeouts(["--watchdog-timeout", "-1"], on_gpu=False)
+    with pytest.raises(ValueError, match=r"^argument --watchdog-timeout: invalid float value: 'soon'$"):
+        megatron_lm_timeouts(["--watchdog-timeout", "soon"], on_gpu=False)
 
 
 def test_a_lost_connection_is_told_from_a_ranks_own_error():
