@@ -21,7 +21,6 @@ it wrote (about 1-2 GB/s per rank; ``verify="size"`` checks sizes only).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -46,7 +45,7 @@ from megatron_llep.placement import (
     same_expert_order,
     write_checkpoint_placement,
 )
-from recipes import watchdog
+from recipes import parent_death, watchdog
 from recipes.dashboard import readable_bytes
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -157,12 +156,7 @@ def _say(message: str) -> None:
 
 def _set_parent_death_signal(parent_pid: int) -> None:
     """Make this (just forked) process receive SIGKILL when its parent dies (Linux prctl)."""
-    pr_set_pdeathsig = 1
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
-    if prctl is None or prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-        return  # not Linux: nothing to arm, the process lives as before
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
+    parent_death.arm(signal.SIGKILL, parent_pid)
 
 
 _forks_die_with_parent = False

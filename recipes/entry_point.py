@@ -1,7 +1,10 @@
-"""What the command-line entry points of recipes/ (finetune.py, evaluate.py, generate.py) do alike:
-report usage errors and bad input once per job (rank 0's line, exit status 2, no traceback), say
-what a long phase is doing, start the process group (NCCL on GPUs, gloo with the CPU compatibility
-layer on CPU) and the watchdog that ends a job whose ranks stopped making progress.
+"""What the command-line entry points of recipes/ (finetune.py, evaluate.py, generate.py; pretrain_gpt.py
+its supervision) do alike: report usage errors and bad input once per job (rank 0's line, exit status
+2, no traceback), say what a long phase is doing, start the process group (NCCL on GPUs, gloo with the
+CPU compatibility layer on CPU), the watchdog that ends a job whose ranks stopped making progress, and
+end in one line, not a traceback, when another rank died (:meth:`EntryPoint.ending_cleanly`) or when a
+signal stopped the run (:meth:`EntryPoint.stopped_by`). A rank started by torchrun stops (SIGTERM) when
+torchrun dies (recipes/parent_death.py).
 
 Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):
 :class:`EntryPoint` holds it.
@@ -10,18 +13,20 @@ Every line an entry point prints starts with its name (``[finetune] ...``, ``[ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
 import signal
 import sys
 import time
-from typing import NoReturn, Optional, Sequence
+from typing import Iterator, NoReturn, Optional, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
 
 from megatron_llep.writable import creation_problem
+from recipes import parent_death
 
 # seconds a rank other than 0 waits, after finding a usage error, for the launcher to end it once rank 0
 # (which finds the same error) has reported it; then it reports the error itself
@@ -94,10 +99,10 @@ class EntryPoint:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def say(self, message: str) -> None:
-        """Print ``[name] message`` once per job (on rank 0)."""
+    def say(self, message: str, file: Optional[TextIO] = None) -> None:
+        """Print ``[name] message`` once per job (on rank 0), to ``file`` (default: stdout)."""
         if (dist.get_rank() if dist.is_initialized() else launch_rank()) == 0:
-            print(f"[{self.name}] {message}", flush=True)
+            print(f"[{self.name}] {message}", file=file or sys.stdout, flush=True)
 
     def progress(self, rank: int, message: str) -> None:
         """A line before a long phase (rank 0), so that a quiet minute is never a mystery; the phase is
@@ -145,16 +150,57 @@ class EntryPoint:
 
     def start(self, watchdog_timeout: Optional[float]) -> tuple[int, int, torch.device]:
         """The process group and, unless ``watchdog_timeout`` is 0, the watchdog (None: its default for
-        this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after it."""
+        this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after its longest
+        allowance. See :meth:`watch`."""
         from recipes import watchdog
 
         timeout = watchdog_timeout
         if timeout is None:
             timeout = watchdog.default_timeout(torch.cuda.is_available())
         rank, world, device = self.init_distributed(watchdog.collective_timeout(timeout) if timeout else None)
-        if timeout:
-            watchdog.Watchdog(timeout, rank, world, label=self.name).start()
+        self.watch(timeout, rank, world)
         return rank, world, device
+
+    def watch(self, watchdog_timeout: float, rank: int, world: int) -> None:
+        """This rank's supervision where something else starts the process group (Megatron-LM): it
+        stops with torchrun, and unless ``watchdog_timeout`` is 0 a watchdog thread ends it when it
+        makes no progress. Start-up is a long phase until the first :func:`recipes.watchdog.progress`."""
+        from recipes import watchdog
+
+        parent_death.follow_launcher()
+        if watchdog_timeout:
+            watchdog.Watchdog(watchdog_timeout, rank, world, label=self.name).start()
+
+    @contextlib.contextmanager
+    def ending_cleanly(self) -> Iterator[None]:
+        """Around an entry point's work: an error caused by a rank that died (its collective's peer is
+        gone) ends this rank with one line for the job naming that rank, exit status
+        :data:`recipes.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback; this rank's own
+        errors pass through."""
+        from recipes import watchdog
+
+        try:
+            yield
+        except Exception as err:  # a lost peer is handled, the rest re-raised
+            line = watchdog.lost_peer_line(err)
+            if line is None:
+                raise
+            if line:
+                print(f"[{self.name}] error: {line}", file=sys.stderr, flush=True)
+            raise SystemExit(watchdog.LOST_PEER_EXIT_CODE) from None
+
+    def stopped_by(self, signum: int, iteration: int, checkpoint: Optional[str], save: Optional[str],
+                   load: Optional[str]) -> NoReturn:
+        """End a run that a signal (SIGTERM: preemption, scancel; Ctrl-C) stopped after ``iteration``, after
+        it saved ``checkpoint`` (None: not saved) under ``save``: one line from rank 0 saying so and how to
+        resume, exit status 128 + the signal, as a shell reports a process the signal ended."""
+        if checkpoint:
+            same = load and save and os.path.realpath(load) == os.path.realpath(save)
+            how = f"saved in {checkpoint}; resume with {'the same command' if same else f'--load {save}'}"
+        else:
+            how = "not saved (no --save): its progress is lost"
+        self.say(f"stopped by {signal.Signals(signum).name} after iteration {iteration}: {how}", file=sys.stderr)
+        raise SystemExit(128 + signum)
 
     def finish(self) -> None:
         """End a run that went well: the watchdog, Megatron's process groups and the process group."""

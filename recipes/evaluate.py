@@ -261,7 +261,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    evaluate(parse_args(argv))
+    args = parse_args(argv)
+    with ENTRY.ending_cleanly():  # a rank that died: one line, not gloo's traceback
+        evaluate(args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ GPU, e.g. gpt-oss-20b on 8 GPUs with a local tokenizer and data::
 Megatron's own machinery does the work: GPTModel, DDP, the distributed optimizer, the
 forward-backward schedules (gradient accumulation, pipeline parallelism), the LR scheduler and
 dist_checkpointing. On CPU the gloo backend and megatron_llep.compat.cpu_gloo are used.
-SIGTERM/SIGINT (e.g. slurm preemption) finish the current step, save (with --save) and exit.
+SIGTERM/SIGINT (e.g. slurm preemption) finish the current step, save (with --save) and exit with
+128 + the signal (143, 130) and one line saying how to resume.
 """
 
 from __future__ import annotations
@@ -298,30 +299,32 @@ def forward_step(device: torch.device, layers: list, args: argparse.Namespace, c
 
 
 class _StopRequest:
-    """SIGTERM/SIGINT set a flag; the loop agrees on it across ranks after each step."""
+    """SIGTERM/SIGINT record the signal; the loop agrees on it across ranks after each step."""
 
     def __init__(self) -> None:
-        self.requested = False
+        self.signum = 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._set)
 
     def _set(self, signum, _frame) -> None:
-        self.requested = True
+        self.signum = max(self.signum, signum)
 
-    def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([float(self.requested)], device=device)
+    def agreed(self, device: torch.device) -> int:
+        """The signal some rank got (the highest number where they differ: SIGTERM over SIGINT), 0 if none."""
+        flag = torch.tensor([float(self.signum)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
 
 
 def _save(args, model, optimizer, scheduler, progress, run_info: dict, placement, is_logger: bool) -> str:
-    from recipes import checkpointing
+    from recipes import checkpointing, watchdog
 
     _progress(dist.get_rank(), f"saving iteration {progress.iteration} to {args.save}")
     start = time.perf_counter()
     try:
-        directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info,
-                                                  placement, verify=args.checkpoint_verify)
+        with watchdog.long_phases():
+            directory = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, progress, run_info,
+                                                      placement, verify=args.checkpoint_verify)
     except checkpointing.CheckpointSaveError as err:  # the run stops: going on would train what cannot be saved
         ENTRY.fail(err, dist.get_rank(), status=1)
     if is_logger:
@@ -408,8 +411,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if resuming:
         _progress(rank, f"loading the checkpoint {resume_from}")
         try:
-            progress = checkpointing.load_checkpoint(resume_from, model, optimizer, scheduler, run_info, RESUME_MUST_MATCH,
-                                                    placement)
+            with watchdog.long_phases():
+                progress = checkpointing.load_checkpoint(resume_from, model, optimizer, scheduler, run_info,
+                                                        RESUME_MUST_MATCH, placement)
         except checkpointing.CheckpointError as err:
             _fail(err, rank)
         if is_logger:
@@ -455,6 +459,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     last_valid_loss = None  # after the first evaluation: its loss (nan off the last pipeline stage)
     last_saved = None
     first_iteration, loop_start = progress.iteration, time.perf_counter()
+    signalled = 0  # the signal that stopped the run
     while progress.iteration < args.train_iters:
         watchdog.progress(f"step {progress.iteration + 1}")
         iterator = sft_data.micro_batches(dataset, progress.consumed_samples, args.micro_batch_size,
@@ -525,11 +530,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"[finetune] validation at step {progress.iteration} | loss {last_valid_loss:.4f} | "
                       f"ppl {ppl:.2f} | {valid_tokens:,} tokens | {eval_seconds:.3f} s | {dashboard.llep_summary(valid_moe)}",
                       flush=True)
-        stopping = stop.agreed(device) or bool(args.exit_interval and progress.iteration % args.exit_interval == 0)
+        signalled = stop.agreed(device)
+        stopping = bool(signalled or (args.exit_interval and progress.iteration % args.exit_interval == 0))
         if args.save and (stopping or (args.save_interval and progress.iteration % args.save_interval == 0)):
             last_saved = _save(args, model, optimizer, scheduler, progress, run_info, placement, is_logger)
         if stopping:
-            if is_logger and progress.iteration < args.train_iters:
+            if is_logger and progress.iteration < args.train_iters and not signalled:  # main() reports a signal
                 print(f"[finetune] stopping at iteration {progress.iteration} of {args.train_iters}", flush=True)
             break
     watchdog.progress("the end of the run")
@@ -546,13 +552,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
               f"({time.perf_counter() - started:.1f} s with start-up), final loss {last_loss:.4f}, "
               f"{'' if last_valid_loss is None else f'validation loss {last_valid_loss:.4f}, '}{saved}", flush=True)
     summary = dict(iteration=progress.iteration, loss=last_loss, valid_loss=last_valid_loss, checkpoint=last_saved,
-                   wandb_dir=wandb_board.run_dir)
+                   wandb_dir=wandb_board.run_dir, stopped_by=signalled)
     ENTRY.finish()
     return summary
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    train(parse_args(argv))
+    """Fine-tune; a run a signal stopped exits with 128 + the signal after saving, a rank that died
+    ends the others in one line (:class:`recipes.entry_point.EntryPoint`)."""
+    args = parse_args(argv)
+    with ENTRY.ending_cleanly():
+        summary = train(args)
+    if summary["stopped_by"]:
+        ENTRY.stopped_by(summary["stopped_by"], summary["iteration"], summary["checkpoint"], args.save, args.load)
 
 
 if __name__ == "__main__":

@@ -273,7 +273,9 @@ def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    generate(parse_args(argv))
+    args = parse_args(argv)
+    with ENTRY.ending_cleanly():  # a rank that died: one line, not gloo's traceback
+        generate(args)
 
 
 if __name__ == "__main__":

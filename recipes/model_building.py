@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import time
 from typing import Callable, Optional
@@ -23,6 +22,7 @@ import torch
 
 from megatron_llep.config import PRUNING_METHODS, LLEPConfig, LLEPConfigError, RoutingPruning
 from megatron_llep.cost_model import CostModel
+from recipes import watchdog
 from recipes.entry_point import check_existing_files, check_writable_directories
 from recipes.models import RECIPES
 
@@ -73,16 +73,14 @@ def add_checkpoint_reading_arguments(group: argparse._ArgumentGroup) -> None:
                        help="what each checkpoint's manifest records and loading checks: every file's size and "
                             "SHA-256 (each rank hashes its own shards), or sizes only (no read-back, for huge "
                             "checkpoints); a damaged latest checkpoint falls back to the newest complete one")
-    group.add_argument("--watchdog-timeout", type=float, default=None, metavar="SECONDS",
-                       help="end the job with a message when a rank makes no progress (a step, a save, a collective "
-                            "waiting for a stopped or dead rank) for this long; collectives time out 30 s (or half "
-                            "of it) later. Default 60 on CPU, 600 on GPU; 0 turns the watchdog off")
+    watchdog.add_argument(group)
 
 
 def check_checkpoint_reading_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage error for a ``--watchdog-timeout`` that is negative or not a number."""
-    if args.watchdog_timeout is not None and not (math.isfinite(args.watchdog_timeout) and args.watchdog_timeout >= 0):
-        parser.error(f"--watchdog-timeout must be >= 0 seconds (0: off), got {args.watchdog_timeout}")
+    problem = watchdog.timeout_problem(args.watchdog_timeout)
+    if problem:
+        parser.error(problem)
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,11 @@ CPU (gloo, 2 ranks; the flags a CPU run needs are added)::
         --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall \\
         --micro-batch-size 2 --global-batch-size 4 --train-iters 10 --lr 1e-3 --eval-iters 2 --log-interval 1 \\
         --force-routing 0.9:1
+
+Supervised like the other entry points (recipes/entry_point.py): ``--watchdog-timeout`` (Megatron-LM's
+``--distributed-timeout-minutes`` is set above it), one line when another rank died, the ranks stop
+with a killed torchrun, no process of a rank outlives it when it is killed mid-save, and a run that
+``--exit-signal-handler`` stopped exits with 128 + the signal after saving.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import time
 _PROGRAM_START_TIME = time.time()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from functools import partial  # noqa: E402
-from typing import Optional, Sequence  # noqa: E402
+from typing import Iterator, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -38,7 +44,11 @@ from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns at import time
 
+from recipes import watchdog  # noqa: E402
+from recipes.entry_point import EntryPoint  # noqa: E402
+
 PREFIX = "[pretrain_gpt]"
+ENTRY = EntryPoint("pretrain_gpt")
 
 
 def _rank() -> int:
@@ -68,6 +78,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from megatron_llep.megatron_lm import add_llep_args
 
     add_llep_args(parser)
+    watchdog.add_argument(parser.add_argument_group("watchdog"))
     parser.add_argument_group("demo").add_argument(
         "--force-routing", default=None, metavar="F:H",
         help="demo/benchmark only: force a fraction F of tokens into H hot experts (Megatron's router replay)")
@@ -234,6 +245,8 @@ def forward_step(data_iterator, model: torch.nn.Module):
     from megatron.training import get_args, get_timers
 
     args = get_args()
+    # the watchdog's phase: the step Megatron-LM runs (curr_iteration steps are done), or an evaluation after one
+    watchdog.progress(f"{'step' if model.training else 'validation after step'} {args.curr_iteration + 1}")
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
@@ -272,6 +285,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if len(cpu_argv) > len(argv) and _rank() == 0:
             print(f"{PREFIX} CPU run (gloo): added {' '.join(cpu_argv[len(argv):])}", flush=True)
         argv = cpu_argv
+    try:
+        watchdog_timeout, argv = watchdog.megatron_lm_timeouts(argv, torch.cuda.is_available())
+    except ValueError as err:
+        _fail(str(err))
     sys.argv = [sys.argv[0], *argv]
     if "--save" in argv[:-1] and _rank() == 0:  # one run per save directory, as in fine-tuning
         _lock_save_directory(argv[argv.index("--save") + 1])
@@ -292,11 +309,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # Megatron-LM's pretrain_gpt.py defaults, and an evaluation interval where 0.19 has none
     args_defaults = {"tokenizer_type": "GPT2BPETokenizer", "eval_interval": 1000}
     megatron_lm.install_llep_logging()
-    try:
-        megatron_training.run_pretrain(add_args, args_defaults, _precheck_parsed_args, _check_parsed_args,
-                                       train_valid_test_datasets_provider, megatron_lm.model_provider, forward_step)
-    except megatron_training.ArgumentsRefused as err:
-        _fail(f"Megatron-LM refused the arguments: {err}")
+    ENTRY.watch(watchdog_timeout, _rank(), int(os.environ.get("WORLD_SIZE", "1")))
+    megatron_training.hook_checkpoint_saves(_checkpoint_saving)
+    megatron_training.record_signal_stops()
+    with ENTRY.ending_cleanly():
+        try:
+            megatron_training.run_pretrain(
+                add_args, args_defaults, _precheck_parsed_args, _check_parsed_args,
+                watchdog.during("building the datasets", train_valid_test_datasets_provider, long=True),
+                watchdog.during("building the model", megatron_lm.model_provider, long=True), forward_step)
+        except megatron_training.ArgumentsRefused as err:
+            _fail(f"Megatron-LM refused the arguments: {err}")
+        except SystemExit as end:  # Megatron-LM exits with 0 after a signal too
+            if end.code not in (0, None) or megatron_training.signal_stop() is None:
+                raise
+    watchdog.stop()
+    _report_signal_stop()
 
 
 def _lock_save_directory(directory: str) -> None:
@@ -318,6 +346,39 @@ def _precheck_parsed_args(args: argparse.Namespace) -> None:
         pretrain_checks.precheck_args(args)
     except ValueError as err:
         _fail(str(err))
+
+
+@contextlib.contextmanager
+def _checkpoint_saving(iteration: int, async_save: bool) -> Iterator[None]:
+    """Around each of Megatron-LM's checkpoint saves: a long watchdog phase, and no process of this rank
+    left behind if it is killed meanwhile: Megatron-Core's result Manager (~300 MB, and the resource
+    tracker it starts) is not made for a synchronous save, and forked writers die with the rank. An
+    asynchronous save keeps the Manager (its writer process reports through it)."""
+    from megatron_llep.compat import mcore
+    from recipes import checkpointing
+
+    watchdog.progress(f"saving iteration {iteration}", long=True)
+    if not async_save:
+        mcore.collect_checkpoint_writes_in_process()
+    with checkpointing.writers_die_with_this_process():
+        yield
+    watchdog.progress(f"after saving iteration {iteration}")
+
+
+def _report_signal_stop() -> None:
+    """After ``--exit-signal-handler`` stopped the run (and saved, with ``--save``): its one line and exit
+    status 128 + the signal; nothing otherwise."""
+    from megatron.training import get_args
+
+    from megatron_llep.compat import megatron_training
+
+    stop = megatron_training.signal_stop()
+    if stop is None:
+        return
+    signum, iteration = stop
+    args = get_args()
+    checkpoint = os.path.join(args.save, f"iter_{iteration:07d}") if args.save else None  # Megatron-LM's layout
+    ENTRY.stopped_by(signum, iteration, checkpoint, args.save, args.load)
 
 
 def _check_parsed_args(args: argparse.Namespace) -> None:

@@ -205,11 +205,12 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tmp_path):
         if line.startswith("[finetune] step 2/"):
             proc.send_signal(signal.SIGTERM)
             break
-    out, _ = proc.communicate(timeout=120)
-    stopped = [line for line in (seen + out.splitlines(keepends=True)) if "stopping at iteration" in line]
-    assert stopped, out[-2000:]
-    iteration = int(stopped[0].split("stopping at iteration ")[1].split()[0])
+    out, err = proc.communicate(timeout=120)
+    stopped = [line for line in err.splitlines() if line.startswith("[finetune] stopped by SIGTERM after iteration ")]
+    assert len(stopped) == 1, err[-2000:]
+    iteration = int(stopped[0].split("after iteration ")[1].split(":")[0])
     assert iteration >= 2
+    assert stopped[0].endswith(f": saved in {ckpt}/iter_{iteration:07d}; resume with --load {ckpt}")
     assert sorted(os.listdir(ckpt)) == [f"iter_{iteration:07d}", "latest_checkpointed_iteration.txt"]
     resumed = _torchrun(*SMALL, "--train-iters", str(iteration + 1), "--load", ckpt)
     assert f"resumed from {ckpt} at iteration {iteration}" in resumed.stdout

@@ -237,7 +237,7 @@ def test_torchrun_sh_ends_a_stopped_run_in_one_line(how, tmp_path):
     assert "Traceback" not in err, err[-3000:]
     iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert iteration >= 2 and (ckpt / f"iter_{iteration:07d}" / "checkpoint_manifest.json").is_file()
-    assert f"stopping at iteration {iteration} of 100000" in out_path.read_text()
+    assert f"[finetune] stopped by {sig.name} after iteration {iteration}: saved in {ckpt}/iter_{iteration:07d}" in err
 
 
 def test_torchrun_sh_reports_a_failed_worker_in_one_line():

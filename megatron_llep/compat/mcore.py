@@ -159,7 +159,7 @@ def collect_checkpoint_writes_in_process() -> None:
     rank's first save (``filesystem_async._results_queue``): a spawned server process that
     re-imports the main script (~330 MB) and outlives a rank killed with SIGKILL. A synchronous
     save runs the writer function in the calling process, so a plain queue is enough; asynchronous
-    saves (not used here) need Megatron's own. Idempotent; call before the first save."""
+    saves need Megatron's own (their writer is another process). Idempotent; call before the first save."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async

@@ -24,6 +24,10 @@ Python 3.11 CI (which runs 0.19's Python sources over a 0.16 install), lives her
   build when it imports, and otherwise compiles ``helpers.cpp`` (shipped too) once with pybind11 into
   a cache directory, as the Makefile would; :func:`check_dataset_helpers` says beforehand when it
   could not.
+* Megatron-LM's loop offers no callbacks for what a supervisor needs to know: :func:`hook_checkpoint_saves`
+  wraps every checkpoint save (``save_checkpoint_and_time``), and :func:`record_signal_stops` remembers
+  when ``--exit-signal-handler`` stopped the run (it then exits with status 0, as after its last
+  iteration).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import sysconfig
 import traceback
 import typing
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 _HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
 
@@ -295,3 +299,60 @@ def batch_on_this_cp_rank(batch: dict, cp_group: Any) -> dict:
     if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:  # 0.18+
         return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+
+
+_around_saves: Optional[Callable[[int, bool], ContextManager]] = None  # hook_checkpoint_saves's
+_signal_stop = {"signum": 0}
+
+
+def hook_checkpoint_saves(around: Callable[[int, bool], ContextManager]) -> None:
+    """Run every checkpoint save of Megatron-LM's loop (the interval, signal, exit and final ones: its
+    ``save_checkpoint_and_time``) inside ``around(iteration, async_save)``. A second call replaces
+    ``around``."""
+    global _around_saves
+    from megatron.training import get_args, training
+
+    if _around_saves is None:
+        original = training.save_checkpoint_and_time
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def save_checkpoint_and_time(*call_args: Any, **call_kwargs: Any) -> Any:
+            iteration = signature.bind(*call_args, **call_kwargs).arguments["iteration"]
+            with _around_saves(iteration, bool(get_args().async_save)):
+                return original(*call_args, **call_kwargs)
+
+        training.save_checkpoint_and_time = save_checkpoint_and_time
+    _around_saves = around
+
+
+def record_signal_stops() -> None:
+    """From now on, :func:`signal_stop` tells whether ``--exit-signal-handler`` stopped the run: its
+    handler's collective check (every rank sees every rank's flag) is recorded when it finds a signal."""
+    from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+    _signal_stop["signum"] = 0
+    original = DistributedSignalHandler.signals_received
+    if getattr(original, "llep_recorded", False):
+        return
+
+    @functools.wraps(original)
+    def signals_received(self: Any) -> Any:
+        received = original(self)
+        if any(received):
+            _signal_stop["signum"] = int(self.sig)
+        return received
+
+    signals_received.llep_recorded = True  # type: ignore[attr-defined]
+    DistributedSignalHandler.signals_received = signals_received
+
+
+def signal_stop() -> Optional[tuple[int, int]]:
+    """The signal that stopped Megatron-LM's training (after :func:`record_signal_stops`) and the last
+    iteration it ran (and saved, with ``--save``); None if none stopped it."""
+    if not _signal_stop["signum"]:
+        return None
+    from megatron.training import get_args
+
+    # the loop sets curr_iteration before a step, then counts the step and checks the signal
+    return _signal_stop["signum"], get_args().curr_iteration + 1
