@@ -175,12 +175,16 @@ class EntryPoint:
     def ending_cleanly(self) -> Iterator[None]:
         """Around an entry point's work: an error caused by a rank that died (its collective's peer is
         gone) ends this rank with one line for the job naming that rank, exit status
-        :data:`recipes.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback; this rank's own
-        errors pass through."""
+        :data:`recipes.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback; an LLEP row budget
+        no plan can meet (``--llep-max-tokens-per-rank``) is a usage error (one line, exit 2); this
+        rank's other errors pass through."""
+        from megatron_llep.planner import InfeasibleBudgetError
         from recipes import watchdog
 
         try:
             yield
+        except InfeasibleBudgetError as err:  # every EP rank of the step raises it alike: a setting to change
+            self.fail(err, launch_rank())
         except Exception as err:  # a lost peer is handled, the rest re-raised
             line = watchdog.lost_peer_line(err)
             if line is None:

@@ -204,6 +204,17 @@ def test_usage_error_under_torchrun_is_printed_once_without_rank_tracebacks():
     assert "exitcode  : 2" in proc.stderr  # rank 0 is the root cause, with the usage exit status
 
 
+def test_a_row_budget_no_plan_can_meet_ends_the_run_in_one_line():
+    """Every EP rank raises the same InfeasibleBudgetError from the global counts: one line from rank 0
+    naming the flag and the numbers, exit 2, no rank traceback (tests/test_budget.py checks the planner)."""
+    proc = _torchrun("--train-iters", "1", "--llep-max-tokens-per-rank", "8")
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if line.startswith("[finetune] error:")]
+    assert len(lines) == 1 and "--llep-max-tokens-per-rank" in lines[0] and "row budget" in lines[0], out[-3000:]
+    assert f'File "{SCRIPT}"' not in out and "[rank" not in out, out[-3000:]  # no rank traceback (torchrun's remains)
+    assert "exitcode  : 2" in proc.stderr, out[-3000:]
+
+
 # Save target -----------------------------------------------------------------------------------
 
 
