@@ -189,7 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    with ENTRY.ending_cleanly():  # a rank that died: one line, not gloo's traceback
+        run(args)
 
 
 if __name__ == "__main__":
