@@ -34,6 +34,8 @@ def test_received_weights_are_released_after_backward(plain):
 
 def test_negative_control_an_extra_retained_copy_is_seen(plain):
     for rank, r in enumerate(plain):
-        assert r["extra"] - r["llep"] >= r["extra_kept"] > 0, rank
+        # the kept copy is alive at the peak and raises it (by less than its size where the run without it
+        # peaked at another moment, e.g. on one-time allocations of the first measured step)
+        assert r["extra"] > r["llep"] and r["extra_kept"] > 0, (rank, r["extra"], r["llep"])
         assert any(site.startswith("forward: clone") for site in r["extra_sites"]), rank
     assert not all(_within_bound(r, "extra") for r in plain)
