@@ -64,8 +64,9 @@ BUDGET_CASES = [
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
 def ep_results(request):
+    """Every case of one EP size in one launch (the budget cases too: a launch costs more than a case)."""
     ep = request.param
-    per_rank = run_distributed(run_cases, ep, cases(ep), timeout_s=600)
+    per_rank = run_distributed(run_cases, ep, cases(ep) + BUDGET_CASES, timeout_s=600)
     return ep, per_rank
 
 
@@ -101,17 +102,14 @@ def test_llep_equals_plain_ep(ep_results, name):
         assert first["weight_transfers"] == 0 and first["spilled_tokens"] == 0
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
-def budget_results(request):
-    return request.param, run_distributed(run_cases, request.param, BUDGET_CASES, timeout_s=600)
 
 
 @pytest.mark.parametrize("case", BUDGET_CASES, ids=lambda c: c.name)
-def test_a_row_budget_keeps_llep_equal_to_plain_ep(budget_results, case):
+def test_a_row_budget_keeps_llep_equal_to_plain_ep(ep_results, case):
     """Forced to spill by the budget alone (these routings fall back to plain EP, or keep small
     remainders native, without it): every rank's received rows stay within the budget, and outputs
     and every gradient still equal plain EP's."""
-    ep, per_rank = budget_results
+    ep, per_rank = ep_results
     results = [r[case.name] for r in per_rank]
     budget = results[0]["budget"]
     assert all(r["mode"] == "llep" for r in results), [r["mode"] for r in results]
