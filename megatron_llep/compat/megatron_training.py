@@ -224,7 +224,7 @@ def run_pretrain(extra_args_provider: Callable, args_defaults: dict, precheck_ar
         return
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    with _prechecked(arguments, precheck_args), _assertions_refuse():
+    with _checked_call(arguments, "validate_args", precheck_args), _assertions_refuse():
         args = arguments.parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
     check_args(args)
     with warnings.catch_warnings():  # "a ModelConfig is recommended": this model comes from model_provider
@@ -239,46 +239,35 @@ def run_pretrain(extra_args_provider: Callable, args_defaults: dict, precheck_ar
 
 
 @contextlib.contextmanager
-def _prechecked(module: Any, precheck_args: Callable[[Any], None]) -> Iterator[None]:
-    """``module.validate_args`` (the name its caller looks up: ``arguments`` on 0.18+, ``initialize``
-    on 0.17) runs ``precheck_args`` on the arguments first, and its assertions are refusals."""
-    validate_args = module.validate_args
+def _checked_call(module: Any, name: str, check: Callable[[Any], None]) -> Iterator[None]:
+    """``module.<name>(args, ...)`` (looked up by name by its caller) runs ``check(args)`` first, and
+    its assertions are refusals."""
+    original = getattr(module, name)
 
-    @functools.wraps(validate_args)
-    def prechecked_validate_args(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        precheck_args(args)
+    @functools.wraps(original)
+    def checked(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        check(args)
         with _assertions_refuse():
-            return validate_args(args, *rest, **kwargs)
+            return original(args, *rest, **kwargs)
 
-    module.validate_args = prechecked_validate_args
+    setattr(module, name, checked)
     try:
         yield
     finally:
-        module.validate_args = validate_args
+        setattr(module, name, original)
 
 
 @contextlib.contextmanager
 def _checked_while_initializing(precheck_args: Callable[[Any], None],
                                 check_args: Callable[[Any], None]) -> Iterator[None]:
-    """0.17's ``initialize_megatron`` parses and validates the arguments, then hands them to
-    ``set_global_variables`` before starting the process group: ``precheck_args`` runs before the
-    validation, ``check_args`` before ``set_global_variables``, whose assertions are refusals too."""
+    """0.17's ``initialize_megatron`` parses and validates the arguments (``validate_args``), then hands
+    them to ``set_global_variables`` before starting the process group: ``precheck_args`` runs before the
+    validation, ``check_args`` before ``set_global_variables``; the assertions of both are refusals."""
     from megatron.training import initialize
 
-    set_global_variables = initialize.set_global_variables
-
-    @functools.wraps(set_global_variables)
-    def checked_set_global_variables(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        check_args(args)
-        with _assertions_refuse():
-            return set_global_variables(args, *rest, **kwargs)
-
-    initialize.set_global_variables = checked_set_global_variables
-    try:
-        with _prechecked(initialize, precheck_args):
-            yield
-    finally:
-        initialize.set_global_variables = set_global_variables
+    with _checked_call(initialize, "set_global_variables", check_args), \
+            _checked_call(initialize, "validate_args", precheck_args):
+        yield
 
 
 def tokenizer_vocab_size(args: Any) -> int:
