@@ -84,6 +84,17 @@ class LLEPConfig:
             :class:`~megatron_llep.planner.InfeasibleBudgetError` on every EP rank before the
             dispatch. ``None`` (default): no budget. Not applied where no plan is made (EP = 1,
             ``enabled=False``).
+        max_kept_weight_bytes: bytes a rank may spend on borrowed experts it keeps for the rest of
+            the optimizer step, over all its LLEP layers: each kept expert costs its weights plus
+            an fp32 gradient accumulator. Later micro-batches compute a kept expert without a
+            new copy (the planner prices such spills without one and prefers those helpers), and
+            its gradient, accumulated across the step's micro-batches, returns to the native
+            rank once, before Megatron's gradient reduction. Copies beyond the bound serve one
+            micro-batch and return their gradients in its backward. ``0``: keep nothing;
+            ``None`` (default): no bound.
+        relay_within_node: a copy bound for a node other than its native rank's crosses the node
+            boundary once: other helpers in that node get it from the rank there that keeps it,
+            and kept gradients are summed inside the node before they cross back.
     """
 
     alpha: float = 1.0
@@ -96,6 +107,8 @@ class LLEPConfig:
     record_stats: bool = True
     pruning: Optional[RoutingPruning] = None
     max_tokens_per_rank: Optional[int] = None
+    max_kept_weight_bytes: Optional[int] = None
+    relay_within_node: bool = True
 
     def __post_init__(self) -> None:
         number = _finite_number
@@ -115,6 +128,12 @@ class LLEPConfig:
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
             raise LLEPConfigError("max_tokens_per_rank", "(the token-expert rows an EP rank may receive per layer "
                                   "step) must be a positive integer, or None for no budget", budget)
+        kept = self.max_kept_weight_bytes
+        if kept is not None and (not isinstance(kept, int) or isinstance(kept, bool) or kept < 0):
+            raise LLEPConfigError("max_kept_weight_bytes", "(the bytes of borrowed experts a rank keeps for the step) "
+                                  "must be an integer >= 0 (0: keep none), or None for no bound", kept)
+        if not isinstance(self.relay_within_node, bool):
+            raise LLEPConfigError("relay_within_node", "must be True or False", self.relay_within_node)
         if not isinstance(self.cost_model, CostModel):
             raise TypeError(f"LLEPConfig.cost_model must be a CostModel, got {type(self.cost_model).__name__}")
         if self.pruning is not None and not isinstance(self.pruning, RoutingPruning):

@@ -54,6 +54,12 @@ class ExpertShape:
         return self.num_params * self.dtype_bytes
 
     @property
+    def kept_copy_bytes(self) -> int:
+        """Memory of one borrowed expert kept for the step: its weights and an fp32 gradient
+        accumulator (``LLEPConfig.max_kept_weight_bytes`` counts these)."""
+        return self.weight_bytes + 4 * self.num_params
+
+    @property
     def token_bytes(self) -> int:
         """Bytes of one token's hidden state (one direction of the all-to-all)."""
         return self.hidden_size * self.dtype_bytes
