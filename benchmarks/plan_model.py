@@ -44,53 +44,58 @@ def _phase_time(out_bytes: np.ndarray, in_bytes: np.ndarray, model: CostModel, i
     return max(model.link_time(float(max(o, i)), inter) for o, i in zip(out_bytes, in_bytes))
 
 
-def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel) -> dict:
+def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel, kept_gradients_per_step: bool = False) -> dict:
     """Predicted phase times, traffic and per-rank activation memory of one plan, rank by rank.
 
-    A rank runs its native experts once the tokens are in, then its borrowed experts wave by wave:
-    a native rank sends each helper its first copy in wave 0, the second in wave 1, then 2, 4 ...
-    copies per wave; a wave arrives once its link (the native rank's out, the helper's in, whichever
-    is busier) has carried the tokens and this and the earlier waves' copies.
+    A rank runs its native experts (and those whose copy it already keeps) once the tokens are in,
+    then its newly borrowed experts wave by wave (the plan's waves): a copy arrives once its link
+    (the sender's out, the helper's in, whichever is busier) has carried the tokens and this and the
+    earlier waves' copies, and, when a relay inside the node sends it, one intra-node copy time
+    after the relay's own copy is in. With ``model.training`` bytes count twice (activations and
+    weights, and their gradients), except that with ``kept_gradients_per_step`` a kept copy's
+    gradient is left out (it returns once per step: :func:`step_gradient_return`).
     """
     ep = plan.ep_size
     es = expert_shape(shape)
+    scale = 2 if model.training else 1
     node = np.arange(ep) // RANKS_PER_NODE
     chunks = plan.token_chunks()
     src, dst, count = chunks[:, 1], chunks[:, 2], chunks[:, 3]
     remote = src != dst
     crossing = node[src] != node[dst]
-    token_out = {inter: np.bincount(src[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * es.token_bytes for inter in (False, True)}
-    token_in = {inter: np.bincount(dst[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * es.token_bytes for inter in (False, True)}
+    token_bytes = es.token_bytes * scale
+    token_out = {inter: np.bincount(src[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * token_bytes for inter in (False, True)}
+    token_in = {inter: np.bincount(dst[remote & (crossing == inter)], count[remote & (crossing == inter)], ep) * token_bytes for inter in (False, True)}
     dispatch = max(_phase_time(token_out[i], token_in[i], model, i) for i in (False, True))
     combine = max(_phase_time(token_in[i], token_out[i], model, i) for i in (False, True))
 
     per_slot = np.zeros((plan.num_experts, ep), np.int64)
     np.add.at(per_slot, (chunks[:, 0], dst), count)
-    native_rank = plan.native_rank
+    copies = list(zip(plan.transfer_source.tolist(), plan.transfer_helper.tolist(), plan.transfer_expert.tolist(),
+                      plan.transfer_wave.tolist(), plan.transfer_kept.tolist()))
+    copied = {(e, h) for _, h, e, _, _ in copies}
     gemms = np.zeros(ep)  # every GEMM of a rank
-    own = np.zeros(ep)  # its native experts' GEMMs
+    own = np.zeros(ep)  # the GEMMs it can run without waiting for a copy
     for e, d in zip(*np.nonzero(per_slot)):
         t = model.gemm_time(int(per_slot[e, d]), es)
         gemms[d] += t
-        if native_rank[e] == d:
+        if (e, d) not in copied:
             own[d] += t
-    # copies of each (native, helper) pair in expert order: the d-th travels in wave d.bit_length()
-    copies = sorted(zip(plan.transfer_native.tolist(), plan.transfer_helper.tolist(), plan.transfer_expert.tolist()))
-    depth: dict[tuple[int, int], int] = {}
-    waves = []
-    for n, h, e in copies:
-        d = depth.get((n, h), 0)
-        depth[(n, h)] = d + 1
-        waves.append((n, h, e, d.bit_length()))
-    end = dispatch + own  # each rank's native experts run first
+    size = [es.weight_bytes * (1 if kept and kept_gradients_per_step else scale) for *_, kept in copies]
+    arrival_of: dict[tuple[int, int], float] = {}  # (expert, helper) -> when its copy is in
+    for (s, h, e, w, _), nbytes in zip(copies, size):
+        inter = bool(node[s] != node[h])
+        sent = sum(b for (s2, h2, _, w2, _), b in zip(copies, size) if s2 == s and w2 <= w and bool(node[h2] != node[s]) == inter)
+        got = sum(b for (s2, h2, _, w2, _), b in zip(copies, size) if h2 == h and w2 <= w and bool(node[s2] != node[h]) == inter)
+        arrival_of[(e, h)] = model.link_time(max(token_out[inter][s] + sent, token_in[inter][h] + got), inter)
+    for (s, h, e, _, _), nbytes in zip(copies, size):
+        if (e, s) in arrival_of:  # relayed: the relay forwards its copy once it has it
+            arrival_of[(e, h)] = max(arrival_of[(e, h)], arrival_of[(e, s)] + model.link_time(nbytes, False))
+    end = dispatch + own
     borrowed: dict[int, dict[int, float]] = {}
     arrival: dict[tuple[int, int], float] = {}
-    for n, h, e, w in waves:
-        inter = bool(node[n] != node[h])
-        sent = sum(1 for n2, h2, _, w2 in waves if n2 == n and w2 <= w and bool(node[n2] != node[h2]) == inter)
-        got = sum(1 for n2, h2, _, w2 in waves if h2 == h and w2 <= w and bool(node[n2] != node[h2]) == inter)
-        busy = max(token_out[inter][n] + sent * es.weight_bytes, token_in[inter][h] + got * es.weight_bytes)
-        arrival[(h, w)] = max(arrival.get((h, w), 0.0), model.link_time(busy, inter))
+    for s, h, e, w, _ in copies:
+        arrival[(h, w)] = max(arrival.get((h, w), 0.0), arrival_of[(e, h)])
         borrowed.setdefault(h, {})
         borrowed[h][w] = borrowed[h].get(w, 0.0) + model.gemm_time(int(per_slot[e, h]), es)
     for h, per_wave in borrowed.items():
@@ -103,7 +108,8 @@ def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel) -> dict:
     # output (2H), activation (H), expert output (D); plus borrowed weights.
     act_bytes = (2 * shape.hidden + 3 * shape.ffn) * es.dtype_bytes
     tokens_here = per_slot.sum(axis=0)
-    memory = tokens_here * act_bytes + np.bincount(plan.transfer_helper, minlength=ep) * es.weight_bytes
+    borrowed_here = (per_slot > 0) & (plan.native_rank[:, None] != np.arange(ep))
+    memory = tokens_here * act_bytes + borrowed_here.sum(axis=0) * es.weight_bytes
     return {
         "dispatch_s": dispatch,
         "compute_s": compute,

@@ -61,11 +61,13 @@ class RankPlan:
 
     ``send_counts[e, dst]``: tokens of expert ``e`` this rank sends to ``dst`` (itself included);
     ``recv_counts[src, e]``: tokens of expert ``e`` this rank receives from ``src``;
-    ``slot_experts``: experts this rank computes, its ``M`` native experts first, then borrowed
-    ones in arrival order (by wave, then id); ``tokens_per_slot`` their token counts;
-    ``weights_to_send``: ``(expert, helper)`` pairs in sending order (by wave, helper, id);
-    ``weights_to_receive``: ``(expert, native)`` pairs in slot order; ``send_waves`` and
-    ``receive_waves``: each pair's wave (:func:`copy_waves`).
+    ``slot_experts``: experts this rank computes: its ``num_native_slots`` native experts, then
+    ``held_experts`` (borrowed copies it already keeps for the step, ascending id), then the copies
+    it receives in arrival order (by wave, then id); ``tokens_per_slot`` their token counts;
+    ``weights_to_send``: ``(expert, helper)`` copies this rank sends, as the expert's native rank or
+    as a relay inside its node, in sending order (by wave, helper, id); ``weights_to_receive``:
+    ``(expert, source)`` pairs in slot order, ``receive_kept`` whether each copy is kept for the
+    rest of the step; ``send_waves`` and ``receive_waves``: each pair's wave (:func:`copy_waves`).
     """
 
     rank: int
@@ -77,6 +79,9 @@ class RankPlan:
     weights_to_receive: list[tuple[int, int]]
     send_waves: list[int]
     receive_waves: list[int]
+    num_native_slots: int
+    held_experts: list[int] = field(default_factory=list)
+    receive_kept: list[bool] = field(default_factory=list)
 
     @property
     def input_splits(self) -> np.ndarray:
@@ -89,10 +94,6 @@ class RankPlan:
     @property
     def borrowed_experts(self) -> np.ndarray:
         return self.slot_experts[self.num_native_slots :]
-
-    @property
-    def num_native_slots(self) -> int:
-        return self.slot_experts.size - len(self.weights_to_receive)
 
     def send_order(self) -> np.ndarray:
         """Row gather index: expert-major permuted tokens -> destination-major a2a input."""
@@ -123,13 +124,24 @@ class LLEPPlan:
     chunk_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     chunk_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     chunk_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    # Weight copies: (expert, native, helper) and the wave each travels in (:func:`copy_waves`).
+    # New weight copies (a helper that already holds the expert gets none): (expert, native, helper),
+    # the rank that sends it (the native rank, or a relay inside the helper's node), the wave it
+    # travels in (:func:`copy_waves`) and whether the helper keeps it for the rest of the step.
+    # A plan built without sources or kept flags sends every copy from the native rank, transient.
     transfer_expert: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_native: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_helper: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     transfer_wave: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    transfer_source: Optional[np.ndarray] = None
+    transfer_kept: Optional[np.ndarray] = None
     # The row budget the plan was made under (LLEPConfig.max_tokens_per_rank); None: no budget.
     budget: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.transfer_source is None:
+            self.transfer_source = self.transfer_native.copy()
+        if self.transfer_kept is None:
+            self.transfer_kept = np.zeros(self.transfer_expert.size, bool)
 
     @property
     def ep_size(self) -> int:
@@ -197,20 +209,26 @@ class LLEPPlan:
             into = self.chunk_dst == rank
             np.add.at(recv, (self.chunk_src[into], self.chunk_expert[into]), self.chunk_count[into])
         transfers = list(zip(self.transfer_wave.tolist(), self.transfer_expert.tolist(),
-                             self.transfer_native.tolist(), self.transfer_helper.tolist()))
-        sends = sorted((w, h, e) for w, e, n, h in transfers if n == rank)
-        receives = sorted((w, e, n) for w, e, n, h in transfers if h == rank)
-        slots = np.concatenate([np.arange(mine.start, mine.stop), np.array([e for _, e, _ in receives], np.int64)])
+                             self.transfer_source.tolist(), self.transfer_helper.tolist(), self.transfer_kept.tolist()))
+        sends = sorted((w, h, e) for w, e, s, h, _ in transfers if s == rank)
+        receives = sorted((w, e, s, kept) for w, e, s, h, kept in transfers if h == rank)
+        received = {e for _, e, _, _ in receives}
+        computed = np.unique(self.chunk_expert[self.chunk_dst == rank]).tolist()
+        held = [e for e in computed if native[e] != rank and e not in received]
+        slots = np.array(list(range(mine.start, mine.stop)) + held + [e for _, e, _, _ in receives], np.int64)
         return RankPlan(
             rank=rank,
             send_counts=send,
             recv_counts=recv,
-            slot_experts=slots.astype(np.int64),
+            slot_experts=slots,
             tokens_per_slot=recv[:, slots].sum(axis=0),
             weights_to_send=[(e, h) for _, h, e in sends],
-            weights_to_receive=[(e, n) for _, e, n in receives],
+            weights_to_receive=[(e, s) for _, e, s, _ in receives],
             send_waves=[w for w, _, _ in sends],
-            receive_waves=[w for w, _, _ in receives],
+            receive_waves=[w for w, _, _, _ in receives],
+            num_native_slots=local,
+            held_experts=held,
+            receive_kept=[bool(kept) for _, _, _, kept in receives],
         )
 
 
@@ -285,15 +303,26 @@ class LayerTimeModel:
         if plan.is_plain_ep:
             dispatch, compute, combine = self._plain_ep_phases()
         else:
-            key = plan.chunk_expert * self.ep + plan.chunk_dst
+            ep = self.ep
+            key = plan.chunk_expert * ep + plan.chunk_dst
             cells, index = np.unique(key, return_inverse=True)
-            experts = cells // self.ep
-            helpers = cells % self.ep
-            copy = helpers != self.native[experts]
-            waves = np.zeros(experts.size, np.int64)
-            waves[copy] = copy_waves(self.native[experts[copy]] * self.ep + helpers[copy])
+            experts = cells // ep
+            helpers = cells % ep
+            # each cell's new copy (if any): its source, wave and the cell its source received it in
+            transfer_key = plan.transfer_expert * ep + plan.transfer_helper
+            order = np.argsort(transfer_key)
+            at = np.minimum(np.searchsorted(transfer_key[order], cells), max(order.size - 1, 0))
+            copied = transfer_key[order][at] == cells if order.size else np.zeros(cells.size, bool)
+            transfer = order[at[copied]]
+            source, waves, source_row = (np.full(cells.size, -1, np.int64), np.zeros(cells.size, np.int64),
+                                         np.full(cells.size, -1, np.int64))
+            source[copied], waves[copied] = plan.transfer_source[transfer], plan.transfer_wave[transfer]
+            upstream = np.minimum(np.searchsorted(cells, experts * ep + source), cells.size - 1)
+            relayed = copied & (cells[upstream] == experts * ep + source) & copied[upstream]
+            source_row[relayed] = upstream[relayed]
             rows = np.array([np.searchsorted(plan.spilled_experts, experts), experts, helpers,
-                             np.bincount(index.ravel(), plan.chunk_count).astype(np.int64), waves])
+                             np.bincount(index.ravel(), plan.chunk_count).astype(np.int64), waves, source,
+                             np.zeros(cells.size, np.int64), source_row])
             chunks = np.array([plan.chunk_expert, plan.chunk_src, plan.chunk_dst, plan.chunk_count,
                                np.searchsorted(plan.spilled_experts, plan.chunk_expert)])
             one = np.zeros(plan.spilled_experts.size, np.int64)
@@ -317,18 +346,20 @@ class LayerTimeModel:
     ) -> list[tuple[float, float, float]]:
         """(dispatch, compute, combine) of several spill plans at once.
 
-        ``rows``: :func:`_split_rows` rows of all candidates, slots numbered across them;
+        ``rows``: :func:`_split_rows` rows of all candidates, slots numbered across them (a row with
+        a source gets a new weight copy from it; one with a source row gets it from a relay, once the
+        relay's own copy, in that row, is in);
         ``spilled[slot]``: the slot's expert; ``chunks``: :func:`_transport` of those rows;
         ``slot_candidate[slot]``: the slot's candidate. Per-rank quantities are laid out
         ``[candidate, link class, rank]`` (flattened where they are built by ``bincount``).
         """
         ep, native, ranks, k = self.ep, self.native, self._ranks, num_candidates
-        slot, split_expert, split_dst, split_tokens, split_wave = rows
+        slot, split_expert, split_dst, split_tokens, split_wave, split_source, _, source_row = rows
         owner = native[spilled]
         slot_base = slot_candidate * ep
         row_base = slot_base[slot]
         gemm = self.gemm_a + self.gemm_b * split_tokens
-        copy = split_dst != native[split_expert]
+        copy = split_source >= 0
         # GEMMs: each spilled expert's leaves its native rank; its parts' are added where they run.
         compute = self.ep_compute - np.bincount(slot_base + owner, self.expert_gemm[spilled], k * ep).reshape(k, ep)
         compute += np.bincount(row_base + split_dst, gemm, k * ep).reshape(k, ep)
@@ -351,7 +382,7 @@ class LayerTimeModel:
         tokens = [max(link_time(intra, False), link_time(inter, True)) for intra, inter in peak.tolist()]
         latest = np.array(tokens) + compute.max(axis=1)  # no rank waited for weights
         # Weights: the borrowed GEMMs of each wave start once the wave's copies are in.
-        helper, giver, base, wave = split_dst[copy], native[split_expert[copy]], row_base[copy], split_wave[copy]
+        helper, giver, base, wave = split_dst[copy], split_source[copy], row_base[copy], split_wave[copy]
         waves = int(wave.max()) + 1 if wave.size else 0
         if waves:
             inter = self._cross[giver, helper]
@@ -365,6 +396,11 @@ class LayerTimeModel:
             model = self.cost_model
             gbps = np.where(inter > 0, model.inter_node_gbps, model.intra_node_gbps)
             arrival = model.link_latency_s + busy / (gbps * 1e9)
+            relayed = source_row[copy] >= 0
+            if relayed.any():  # a relay forwards its copy once it has it, over its link inside the node
+                position = np.cumsum(copy) - 1
+                upstream = arrival[position[source_row[copy][relayed]]]
+                arrival[relayed] = np.maximum(arrival[relayed], upstream + model.link_time(self.weight_bytes, False))
             # a wave's GEMMs and every later wave's run back to back once it has arrived
             at = (base + helper) * waves + wave
             remaining = np.bincount(at, gemm[copy], k * ep * waves).reshape(k * ep, waves)[:, ::-1].cumsum(axis=1)
@@ -428,8 +464,18 @@ def plan_llep(
     config: LLEPConfig,
     expert_shape: Optional[ExpertShape] = None,
     layer_number: Optional[int] = None,
+    held: Optional[np.ndarray] = None,
+    keep_room: Optional[np.ndarray] = None,
 ) -> LLEPPlan:
     """Compute the LLEP plan for one MoE layer step from the global ``[P, N]`` count matrix.
+
+    ``held[e, p]`` (bool ``[N, P]``, never at ``e``'s native rank): rank ``p`` already keeps a copy
+    of expert ``e`` for this optimizer step, so a spill there moves tokens but no weights, and such
+    helpers are tried first. ``keep_room[p]``: how many more copies rank ``p`` may keep; new copies
+    are marked kept in ascending (wave, expert, helper) order while their helper has room (waves as
+    if every copy came from its native rank), the rest serve this micro-batch only. ``None``: nothing
+    held; no bound on kept copies. With ``config.relay_within_node`` new copies bound for another
+    node than their native rank's come from one rank of that node (:func:`_copy_rows`).
 
     ``expert_shape`` is needed only when ``config.cost_aware`` (it sizes GEMMs and transfers). A
     cost-aware plan reports the capacity it was made at: the configured one or a raised rung
@@ -448,6 +494,7 @@ def plan_llep(
     local = config.validate_layout(num_experts, ep)
     if config.cost_aware and expert_shape is None:
         raise ValueError("a cost-aware LLEP plan needs the expert shape (pass expert_shape or set cost_aware=False)")
+    copies = _CopyRules.of(held, keep_room, config, ep, local)
 
     loads = counts.sum(axis=0)
     before = loads.reshape(ep, local).sum(axis=1)
@@ -462,7 +509,7 @@ def plan_llep(
     if total == 0 or ep == 1 or (before.max() * ep < config.imbalance_threshold * total and within_budget):
         plan = LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
     else:
-        plan = _spill_plan(counts, loads, local, before, capacity, config, expert_shape)
+        plan = _spill_plan(counts, loads, local, before, capacity, config, expert_shape, copies)
     plan.budget = budget
     return plan
 
@@ -475,14 +522,15 @@ def _spill_plan(
     capacity: float,
     config: LLEPConfig,
     expert_shape: Optional[ExpertShape],
+    copies: "_CopyRules",
 ) -> LLEPPlan:
     """The least-loaded plan at ``capacity`` (or, cost-aware, the cheapest candidate)."""
-    splits = _least_loaded_assignment(counts, loads, before, capacity, config)
+    splits = _least_loaded_assignment(counts, loads, before, capacity, config, copies.held)
     if not splits:
         return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
     if config.cost_aware:
-        return _cheapest_plan(counts, loads, local, before, capacity, splits, config, expert_shape)
-    rows, spilled, _ = _split_rows([splits], local)
+        return _cheapest_plan(counts, loads, local, before, capacity, splits, config, expert_shape, copies)
+    rows, spilled, _ = _split_rows([splits], local, copies)
     return _build_plan(counts, loads, local, capacity, before, rows, spilled, _transport(counts, rows, spilled))
 
 
@@ -506,6 +554,7 @@ def _cheapest_plan(
     splits: dict[int, list[tuple[int, int]]],
     config: LLEPConfig,
     shape: ExpertShape,
+    copies: "_CopyRules",
 ) -> LLEPPlan:
     """The candidate plan with the lowest predicted layer time (:class:`LayerTimeModel`).
 
@@ -519,20 +568,20 @@ def _cheapest_plan(
     """
     capacities, candidates = [capacity], [splits]
     budget = config.max_tokens_per_rank
-    if _weight_copies_weigh(splits, before, loads, local, config, shape):
+    if _weight_copies_weigh(splits, before, loads, local, config, shape, copies):
         ceiling = float(before.max())  # from this capacity on no rank is overloaded: plain EP
         slots, last = len(splits), len(splits)
         for factor in _CAPACITY_RUNGS:
             raised = capacity * factor if budget is None else min(capacity * factor, budget)
             if raised >= ceiling or raised <= capacities[-1] or slots + last > _SEARCH_SLOTS:
                 break
-            more = _least_loaded_assignment(counts, loads, before, raised, config)
+            more = _least_loaded_assignment(counts, loads, before, raised, config, copies.held)
             if not more:
                 break  # a higher capacity spills no more than this one
             capacities.append(raised)
             candidates.append(more)
             slots, last = slots + len(more), len(more)
-    rows, spilled, slot_candidate = _split_rows(candidates, local)
+    rows, spilled, slot_candidate = _split_rows(candidates, local, copies)
     chunks = _transport(counts, rows, spilled)
     timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
     phases = timer._candidate_phases(rows, spilled, chunks, slot_candidate, len(candidates))
@@ -549,8 +598,11 @@ def _cheapest_plan(
     if len(candidates) > 1:
         mine = slot_candidate == best
         first = int(np.argmax(mine))
-        rows, spilled, chunks = rows[:, mine[rows[0]]], spilled[mine], chunks[:, mine[chunks[4]]]
+        kept_rows = mine[rows[0]]
+        first_row = int(np.argmax(kept_rows))
+        rows, spilled, chunks = rows[:, kept_rows], spilled[mine], chunks[:, mine[chunks[4]]]
         rows[0] -= first
+        rows[7][rows[7] >= 0] -= first_row
         chunks[4] -= first
     return _build_plan(counts, loads, local, capacities[best], before, rows, spilled, chunks)
 
@@ -562,22 +614,30 @@ def _weight_copies_weigh(
     local: int,
     config: LLEPConfig,
     shape: ExpertShape,
+    rules: "_CopyRules",
 ) -> bool:
-    """Whether the busiest native rank's weight copies (per link class) take more than
-    :data:`_SEARCH_GATE` of the GEMM time of the plan's most loaded rank."""
+    """Whether the busiest native rank's new weight copies (per link class; one per expert and
+    node across nodes when copies are relayed) take more than :data:`_SEARCH_GATE` of the GEMM time
+    of the plan's most loaded rank."""
     ep = before.size
     per_node = config.ranks_per_node or ep
     model = config.cost_model
     copies = {}
+    relayed = set()
     after = before.tolist()
     for e, parts in splits.items():
         native = e // local
+        holders = rules.held.get(e, ())
         after[native] -= int(loads[e])
         for dst, tokens in parts:
             after[dst] += tokens
-            if dst != native:
-                key = (native, native // per_node != dst // per_node)
-                copies[key] = copies.get(key, 0) + 1
+            if dst != native and dst not in holders:
+                inter = native // per_node != dst // per_node
+                if inter and rules.relay:
+                    if (e, dst // per_node) in relayed:
+                        continue
+                    relayed.add((e, dst // per_node))
+                copies[(native, inter)] = copies.get((native, inter), 0) + 1
     weight_bytes = shape.weight_bytes * (2 if model.training else 1)
     sending = max(model.link_time(count * weight_bytes, inter) for (_, inter), count in copies.items()) if copies else 0.0
     return sending > _SEARCH_GATE * model.gemm_coefficients(shape)[1] * max(after)
@@ -589,8 +649,12 @@ def _least_loaded_assignment(
     rank_loads_before: np.ndarray,
     capacity: float,
     config: LLEPConfig,
+    held: Optional[dict[int, tuple[int, ...]]] = None,
 ) -> dict[int, list[tuple[int, int]]]:
     """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank.
+
+    ``held[e]``: ranks that already keep a copy of ``e``; they are its first helpers (a spill there
+    moves no weights).
 
     Plain Python ints on purpose: the loop is short and numpy's per-call overhead would dominate.
     """
@@ -651,6 +715,9 @@ def _least_loaded_assignment(
             candidates = [g for g in candidates if node_of[g] == home] + [
                 g for g in candidates if node_of[g] != home
             ]
+        holders = held.get(e) if held else None
+        if holders:
+            candidates = [g for g in candidates if g in holders] + [g for g in candidates if g not in holders]
         num = len(candidates)
         cursor = 0
         while remaining > 0:
@@ -690,30 +757,128 @@ def _least_loaded_assignment(
     return splits
 
 
+@dataclass(frozen=True)
+class _CopyRules:
+    """What decides a plan's weight copies besides its splits: ``held[e]``, the ranks that already
+    keep expert ``e`` (ascending); ``keep_room[p]``, how many more copies rank ``p`` may keep
+    (``None``: no bound); ``relay``, whether copies are relayed inside nodes of ``ranks_per_node``."""
+
+    held: dict[int, tuple[int, ...]]
+    keep_room: Optional[list[int]]
+    relay: bool
+    ranks_per_node: int
+
+    @classmethod
+    def of(cls, held: Optional[np.ndarray], keep_room: Optional[np.ndarray], config: LLEPConfig, ep: int,
+           local: int) -> "_CopyRules":
+        holders: dict[int, tuple[int, ...]] = {}
+        if held is not None:
+            held = np.asarray(held)
+            if held.shape != (ep * local, ep) or held.dtype != bool:
+                raise ValueError(f"plan_llep: held must be a bool [num_experts, ep_size] = [{ep * local}, {ep}] "
+                                 f"array, got {held.dtype} {held.shape}")
+            experts, ranks = np.nonzero(held)
+            if (ranks == experts // local).any():
+                raise ValueError("plan_llep: held marks an expert as a kept copy at its own native rank; "
+                                 "held[e, p] must be False where rank p owns expert e")
+            for e, p in zip(experts.tolist(), ranks.tolist()):
+                holders[e] = holders.get(e, ()) + (p,)
+        room = None
+        if keep_room is not None:
+            room = np.asarray(keep_room)
+            if room.shape != (ep,) or room.dtype.kind not in "iu" or (room < 0).any():
+                raise ValueError(f"plan_llep: keep_room must be {ep} non-negative integers (copies each rank may "
+                                 f"still keep), got {room.dtype} {room.shape}")
+            room = room.tolist()
+        return cls(holders, room, config.relay_within_node, config.ranks_per_node or ep)
+
+
 def _split_rows(
-    candidates: list[dict[int, list[tuple[int, int]]]], num_local_experts: int
+    candidates: list[dict[int, list[tuple[int, int]]]], num_local_experts: int, rules: _CopyRules
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``[5, rows]`` (slot, expert, destination, tokens, wave) of one or more plans' splits, each
-    slot's expert and each slot's plan. A slot is one spilled expert of one plan; slots count up
-    across the plans, and within a plan follow ascending expert ids, destinations ascending within a
-    slot. ``wave``: the weight copy's wave where the destination is a helper (the rule of
-    :func:`copy_waves`, counted per plan), else 0."""
+    """``[8, rows]`` (slot, expert, destination, tokens, wave, source, kept, source row) of one or
+    more plans' splits, each slot's expert and each slot's plan. A slot is one spilled expert of one
+    plan; slots count up across the plans, and within a plan follow ascending expert ids,
+    destinations ascending within a slot. A row whose destination needs a new weight copy (a
+    helper that does not hold the expert) has its ``source`` (else -1), ``wave`` (else 0) and
+    ``kept`` flag (:func:`_copy_rows`); ``source row`` is the row in which a relay source receives
+    its own copy (-1: the source already has the expert)."""
     rows, experts, owners = [], [], []
     for k, splits in enumerate(candidates):
-        copies_so_far: dict[tuple[int, int], int] = {}
+        copy_rows = []
         for e in sorted(splits):
             native = e // num_local_experts
+            holders = rules.held.get(e, ())
             for d, t in splits[e]:
-                wave = 0
-                if d != native:
-                    depth = copies_so_far.get((native, d), 0)
-                    copies_so_far[(native, d)] = depth + 1
-                    wave = depth.bit_length()
-                rows.append((len(owners), e, d, t, wave))
+                if d != native and d not in holders:
+                    copy_rows.append(len(rows))
+                rows.append([len(owners), e, d, t, 0, -1, 0, -1])
             experts.append(e)
             owners.append(k)
-    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 5 * len(rows)).reshape(-1, 5).T
+        _copy_rows(rows, copy_rows, num_local_experts, rules)
+    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 8 * len(rows)).reshape(-1, 8).T
     return rows, np.array(experts, np.int64), np.array(owners, np.int64)
+
+
+def _copy_rows(rows: list[list[int]], copy_rows: list[int], local: int, rules: _CopyRules) -> None:
+    """Fill in source, wave, kept flag and source row of one plan's new copies (``rows[i]`` for
+    ``i`` in ``copy_rows``, in expert order), in place.
+
+    Kept: in ascending (wave, expert, helper) order, with the waves every copy would have coming
+    from its native rank, while the helper has ``keep_room``. Source, with relays: for an expert
+    and a node other than its native rank's, the lowest rank there that holds it sends every new
+    copy on that node; failing that, the lowest helper there whose copy is kept receives it from
+    the native rank and sends the others (transient copies are never sources); everything else
+    comes from the native rank. Waves: :func:`copy_waves` per (source, helper); a relayed copy
+    travels at least one wave after its relay's own copy.
+    """
+    def number_waves() -> None:
+        depth: dict[tuple[int, int], int] = {}
+        for i in copy_rows:
+            key = (rows[i][5], rows[i][2])
+            d = depth.get(key, 0)
+            depth[key] = d + 1
+            rows[i][4] = d.bit_length()
+
+    for i in copy_rows:
+        rows[i][5] = rows[i][1] // local
+    number_waves()
+    room = None if rules.keep_room is None else list(rules.keep_room)  # each candidate plan starts afresh
+    for i in sorted(copy_rows, key=lambda i: (rows[i][4], rows[i][1], rows[i][2])):
+        helper = rows[i][2]
+        if room is None:
+            rows[i][6] = 1
+        elif room[helper] > 0:
+            room[helper] -= 1
+            rows[i][6] = 1
+    if not rules.relay:
+        return
+    per_node = rules.ranks_per_node
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in copy_rows:
+        e, d = rows[i][1], rows[i][2]
+        if d // per_node != (e // local) // per_node:
+            groups.setdefault((e, d // per_node), []).append(i)
+    relayed = False
+    for (e, node), members in groups.items():
+        holders = [g for g in rules.held.get(e, ()) if g // per_node == node]
+        if holders:
+            source, source_row = holders[0], -1
+        else:
+            kept = [i for i in members if rows[i][6]]
+            if not kept:
+                continue
+            source_row = kept[0]
+            source = rows[source_row][2]
+        for i in members:
+            if i != source_row:
+                rows[i][5], rows[i][7] = source, source_row
+                relayed = True
+    if relayed:
+        number_waves()
+        for i in copy_rows:
+            if rows[i][7] >= 0:
+                rows[i][4] = max(rows[i][4], rows[rows[i][7]][4] + 1)
 
 
 def _build_plan(
@@ -726,13 +891,12 @@ def _build_plan(
     spilled: np.ndarray,
     chunks: np.ndarray,
 ) -> LLEPPlan:
-    split_expert, split_dst, split_tokens, split_wave = rows[1], rows[2], rows[3], rows[4]
+    split_expert, split_dst, split_tokens, split_wave, split_source, split_kept = rows[1:7]
     native = split_expert // local
     after = before.copy()
     np.subtract.at(after, spilled // local, loads[spilled])
     np.add.at(after, split_dst, split_tokens)
-    helpers = split_dst != native
-    copy_native, copy_helper = native[helpers], split_dst[helpers]
+    copy = split_source >= 0
     return LLEPPlan(
         counts=counts,
         num_local_experts=local,
@@ -745,10 +909,12 @@ def _build_plan(
         chunk_src=chunks[1],
         chunk_dst=chunks[2],
         chunk_count=chunks[3],
-        transfer_expert=split_expert[helpers],
-        transfer_native=copy_native,
-        transfer_helper=copy_helper,
-        transfer_wave=split_wave[helpers],
+        transfer_expert=split_expert[copy],
+        transfer_native=native[copy],
+        transfer_helper=split_dst[copy],
+        transfer_wave=split_wave[copy],
+        transfer_source=split_source[copy],
+        transfer_kept=split_kept[copy].astype(bool),
     )
 
 
@@ -772,7 +938,7 @@ def copy_waves(pair: np.ndarray) -> np.ndarray:
 def _transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
-    ``splits`` is ``[5, rows]`` from :func:`_split_rows` (slot, expert, destination, tokens, wave): how
+    ``splits`` is ``[8, rows]`` from :func:`_split_rows` (slot, expert, destination, tokens, ...): how
     many tokens each destination computes; ``experts[slot]`` is the slot's expert. Returns
     ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own
     routed tokens; the rest of every slot's supply is matched to the rest of its demand in rank
@@ -780,7 +946,7 @@ def _transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> n
     meet at every slot boundary. Ranks are numbered node by node, so this keeps traffic inside
     nodes where it can.
     """
-    slot, split_expert, split_dst, split_tokens, _ = splits
+    slot, split_expert, split_dst, split_tokens = splits[:4]
     ep = counts.shape[0]
     supply = counts.T[experts]  # [slots, src], a copy
     own = np.minimum(supply[slot, split_dst], split_tokens)
