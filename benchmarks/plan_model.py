@@ -163,12 +163,13 @@ def burst_counts(shape: LayerShape, ep: int, burst: Burst, seed: int) -> np.ndar
     return counts
 
 
-def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeats: int) -> float:
-    plan_llep(counts, config, es)
+def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeats: int, **planning) -> float:
+    """Median seconds of one :func:`plan_llep` call (``planning``: its ``held`` and ``keep_room``)."""
+    plan_llep(counts, config, es, **planning)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        plan_llep(counts, config, es)
+        plan_llep(counts, config, es, **planning)
         times.append(time.perf_counter() - start)
     return float(np.median(times))
 
@@ -232,18 +233,125 @@ def run(eps: list[int], scenarios: tuple, seed: int, repeats: int, config: LLEPC
     return rows
 
 
+# Step-level model (issue 25): micro-batches per optimizer step, EP sizes, and the two ways of
+# handling borrowed weights: BEFORE copies them afresh every micro-batch (and returns their gradients
+# in its backward), AFTER keeps them for the step and relays them inside nodes (LLEPConfig defaults).
+MICRO_BATCHES = (1, 4, 8)
+DEFAULT_EPS = [8, 16, 32, 64]
+STEP_EPS = (8, 16, 64)
+
+
+def weight_handling(config: LLEPConfig) -> dict[str, LLEPConfig]:
+    return {"before": replace(config, max_kept_weight_bytes=0, relay_within_node=False),
+            "after": replace(config, max_kept_weight_bytes=None, relay_within_node=True)}
+
+
+def step_gradient_return(held: np.ndarray, shape: LayerShape, model: CostModel, relay: bool) -> tuple[float, int]:
+    """Seconds and cross-node bytes of the once-per-step return of the kept copies' gradients
+    (``held[e, p]``: rank ``p`` keeps a copy of ``e``). Each goes to the expert's native rank; with
+    relays the copies of an expert on one node are first summed at the lowest of them (inside the
+    node), so one gradient per (expert, node) crosses, after the in-node sums (the two phases are
+    added). Without relays every copy returns directly, both link classes in parallel."""
+    ep = held.shape[1]
+    es = expert_shape(shape)
+    local = shape.num_experts // ep
+    node = np.arange(ep) // RANKS_PER_NODE
+    out, into = np.zeros((2, ep)), np.zeros((2, ep))  # [in-node phase, cross-node phase]
+
+    def send(src: int, dst: int, phase: int) -> None:
+        out[phase, src] += es.weight_bytes
+        into[phase, dst] += es.weight_bytes
+
+    crossing = 0
+    for e in np.flatnonzero(held.any(axis=1)):
+        native = e // local
+        keepers = np.flatnonzero(held[e])
+        for b in np.unique(node[keepers]):
+            here = keepers[node[keepers] == b]
+            if b == node[native] or not relay:
+                for p in here:
+                    send(p, native, int(b != node[native]))
+                crossing += int(b != node[native]) * here.size
+                continue
+            for p in here[1:]:
+                send(p, here[0], 0)
+            send(here[0], native, 1)
+            crossing += 1
+    links = [max(model.link_time(float(b), inter) for b in np.maximum(out[phase], into[phase]))
+             for phase, inter in ((0, False), (1, True))]
+    if not relay:  # direct returns use both link classes at once
+        return max(links), crossing * es.weight_bytes
+    return sum(links), crossing * es.weight_bytes
+
+
+def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: int, repeats: int) -> list[dict]:
+    """LLEP over one optimizer step of ``max(MICRO_BATCHES)`` micro-batches of one layer (forward
+    and backward, ``config.cost_model`` a training model), each with its own count matrix of the
+    scenario, planned in order; a row per step length in MICRO_BATCHES (a shorter step is the
+    first micro-batches of a longer one) and weight handling, against that many micro-batches of
+    the force-balanced ideal. Kept copies carry forward as ``held`` and return their gradients
+    once, at the end of the step; transient copies return theirs in their micro-batch."""
+    es, model = expert_shape(shape), config.cost_model
+    ideal = ideal_prediction(shape, ep, config)["layer_s"]
+    rows = []
+    for handling, configured in weight_handling(config).items():
+        kept_bound = configured.max_kept_weight_bytes
+        room = None if kept_bound is None else np.full(ep, kept_bound // es.kept_copy_bytes, np.int64)
+        held = np.zeros((shape.num_experts, ep), bool)
+        node = np.arange(ep) // RANKS_PER_NODE
+        layer_s, copies, transient, crossing, crossing_transient = 0.0, 0, 0, 0, 0
+        for k in range(max(MICRO_BATCHES)):
+            counts = sample_counts(shape, ep, scenario, seed * 1009 + k)
+            plan = plan_llep(counts, configured, es, held=held, keep_room=room)
+            layer_s += predict(plan, shape, model, kept_gradients_per_step=True)["layer_s"]
+            copies += plan.num_weight_transfers
+            transient += int((~plan.transfer_kept).sum())
+            crosses = node[plan.transfer_source] != node[plan.transfer_helper]
+            crossing += int(crosses.sum())
+            crossing_transient += int((crosses & ~plan.transfer_kept).sum())
+            kept = plan.transfer_kept
+            held[plan.transfer_expert[kept], plan.transfer_helper[kept]] = True
+            if room is not None:
+                room -= np.bincount(plan.transfer_helper[kept], minlength=ep)
+            if k + 1 not in MICRO_BATCHES:
+                continue
+            return_s, return_crossing = step_gradient_return(held, shape, model, configured.relay_within_node)
+            step_s = layer_s + return_s
+            rows.append({
+                "model": shape.name, "ep": ep, "scenario": scenario.label, "micro_batches": k + 1,
+                "weights": handling, "step_ms": step_s * 1e3, "ideal_ms": (k + 1) * ideal * 1e3,
+                "llep_vs_ideal": step_s / ((k + 1) * ideal), "grad_return_ms": return_s * 1e3,
+                "weight_gb": copies * es.weight_bytes / 1e9,
+                "grad_gb": (transient + held.sum()) * es.weight_bytes / 1e9,
+                "cross_node_weight_gb": crossing * es.weight_bytes / 1e9,
+                "cross_node_grad_gb": (crossing_transient * es.weight_bytes + return_crossing) / 1e9,
+                "kept_copies": int(held.sum()),
+                "plan_ms": time_planner(counts, configured, es, repeats, held=held, keep_room=room) * 1e3,
+            })
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--ep", type=int, nargs="+", default=DEFAULT_EPS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--planner-repeats", type=int, default=20)
     parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--min-chunk-tokens", type=int, default=1024)
     parser.add_argument("--imbalance-threshold", type=float, default=1.3)
     parser.add_argument("--bursts", action="store_true", help="add the burst scenarios (BURSTS)")
-    parser.add_argument("--out", default="results/plan_model.json")
+    parser.add_argument("--steps", action="store_true",
+                        help="the step-level model instead: 1, 4 and 8 micro-batches per step at P = 8, 16, 64 "
+                             "(--ep to change), training cost model, borrowed weights copied per micro-batch "
+                             "(before) or kept for the step and relayed inside nodes (after)")
+    parser.add_argument("--quick", action="store_true", help="with --steps: DeepSeek-V3 and the 95 %% scenarios only")
+    parser.add_argument("--out", default=None, help="default: results/plan_model.json (results/plan_model_steps.json with --steps)")
     args = parser.parse_args()
     config = LLEPConfig(alpha=args.alpha, min_chunk_tokens=args.min_chunk_tokens, imbalance_threshold=args.imbalance_threshold)
+    if args.steps:
+        run_steps(args, config)
+        return
+    args.out = args.out or "results/plan_model.json"
     model = CostModel()
     rows = run(args.ep, SCENARIOS + (BURSTS if args.bursts else ()), args.seed, args.planner_repeats, config, model)
     print_table(rows, [
@@ -258,6 +366,44 @@ def main() -> None:
     print()
     print(summary(rows))
     write_results(args.out, "plan_model", rows, {**vars(args), "cost_model": model, "ranks_per_node": RANKS_PER_NODE})
+
+
+def run_steps(args: argparse.Namespace, config: LLEPConfig) -> None:
+    model = CostModel(training=True)
+    eps = args.ep if args.ep != DEFAULT_EPS else list(STEP_EPS)
+    shapes = [s for s in FULL_SHAPES if s.name == "deepseek-v3"] if args.quick else FULL_SHAPES
+    scenarios = [s for s in SCENARIOS if s.hot_fraction in (0.0, 0.95)] if args.quick else SCENARIOS
+    rows = []
+    for shape in shapes:
+        for ep in eps:
+            if shape.num_experts % ep == 0:
+                for scenario in scenarios:
+                    rows += step_rows(shape, ep, scenario, ep_config(config, model, ep), args.seed, args.planner_repeats)
+    print_table(rows, [
+        ("model", "model", ""), ("ep", "P", "d"), ("scenario", "scenario", ""), ("micro_batches", "K", "d"),
+        ("weights", "weights", ""), ("step_ms", "step ms", ".2f"), ("ideal_ms", "ideal ms", ".2f"),
+        ("llep_vs_ideal", "LLEP/ideal", ".3f"), ("grad_return_ms", "grad return ms", ".2f"),
+        ("weight_gb", "weights GB", ".2f"), ("grad_gb", "grads GB", ".2f"),
+        ("cross_node_weight_gb", "x-node w GB", ".2f"), ("cross_node_grad_gb", "x-node g GB", ".2f"),
+        ("kept_copies", "kept", "d"), ("plan_ms", "plan ms", ".3f"),
+    ])
+    print()
+    print(step_summary(rows))
+    write_results(args.out or "results/plan_model_steps.json", "plan_model_steps", rows,
+                  {**vars(args), "cost_model": model, "ranks_per_node": RANKS_PER_NODE})
+
+
+def step_summary(rows: list[dict]) -> str:
+    """Worst LLEP/ideal per (P, K, weight handling), and the points above 1.10."""
+    lines = []
+    for key in sorted({(r["ep"], r["micro_batches"], r["weights"]) for r in rows}):
+        group = [r for r in rows if (r["ep"], r["micro_batches"], r["weights"]) == key]
+        worst = max(group, key=lambda r: r["llep_vs_ideal"])
+        over = sum(r["llep_vs_ideal"] > 1.10 for r in group)
+        lines.append(f"P = {key[0]:2d}, K = {key[1]}, {key[2]:6s}: worst LLEP/ideal {worst['llep_vs_ideal']:.3f} "
+                     f"({worst['model']} {worst['scenario']}), {over} of {len(group)} points above 1.10, "
+                     f"slowest plan {max(r['plan_ms'] for r in group):.3f} ms")
+    return "\n".join(lines)
 
 
 def summary(rows: list[dict]) -> str:

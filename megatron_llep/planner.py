@@ -19,6 +19,14 @@ The algorithm (SPEC section 1, step 3):
     while possible (never drop a token): with ``alpha >= 1`` no rank ends above ``ceil(cap) + m``.
 Spilled tokens of an expert are first taken from the helper's own routed tokens (no traffic).
 
+Borrowed weights over an optimizer step (issue 25): a helper may keep the copies it receives for
+the rest of the step (``keep_room``, from ``LLEPConfig.max_kept_weight_bytes``); the next
+micro-batches' plans are told which rank holds which expert (``held``). LLA tries the holders of an
+expert first, then the ranks of the native node and of the holders' nodes, then the rest; a spill
+to a holder moves tokens but no weights. With ``LLEPConfig.relay_within_node`` a copy bound for
+another node crosses the node boundary once and is forwarded inside that node
+(:func:`_copy_rows`).
+
 A row budget (``config.max_tokens_per_rank``, ``B``) is a hard limit on every rank's load in the
 plan, and wins over the rules above: plain EP is kept below ``lambda`` only when no rank's load
 exceeds ``B``; the capacity is ``min(cap, B)`` and the ``cap + m`` slack ``min(cap + m, B)``, so a
@@ -249,12 +257,16 @@ class LayerTimeModel:
       ``link_time(tokens + copies of this and earlier waves)`` of the busier of the two links. The
       phase ends with the last rank's last GEMM. (A native rank waits for its sends after its own
       GEMMs; they are done when the helper has the copies, before the helper's GEMMs on them end,
-      so they never set the phase's end.)
+      so they never set the phase's end.) A spill to a helper that holds the expert has no copy:
+      its GEMM runs with the native ones. A relayed copy (:attr:`LLEPPlan.transfer_source` not the
+      native rank) uses the relay's and the helper's links inside the node, and arrives no earlier
+      than one intra-node copy time after the relay's own copy.
 
     With ``cost_model.training`` bytes count twice (activations and their gradients, weights and
     their gradients) and GEMMs three times (forward and backward): the backward mirrors the
     forward, the gradients of the first wave returning last while the native rank's own backward
-    runs. ``ranks_per_node=None`` puts all EP ranks in one node. Built once per count matrix;
+    runs. A kept copy's gradient returns once per step; it is charged to the micro-batch that
+    creates the copy (a new copy costs twice its weights, kept or not; a held one nothing). ``ranks_per_node=None`` puts all EP ranks in one node. Built once per count matrix;
     pricing a plan is a few vector operations.
     """
 
@@ -717,7 +729,10 @@ def _least_loaded_assignment(
             ]
         holders = held.get(e) if held else None
         if holders:
-            candidates = [g for g in candidates if g in holders] + [g for g in candidates if g not in holders]
+            near = {node_of[g] for g in holders} | {node_of[n]}
+            candidates = ([g for g in candidates if g in holders]
+                          + [g for g in candidates if g not in holders and node_of[g] in near]
+                          + [g for g in candidates if node_of[g] not in near])
         num = len(candidates)
         cursor = 0
         while remaining > 0:
@@ -843,14 +858,15 @@ def _copy_rows(rows: list[list[int]], copy_rows: list[int], local: int, rules: _
     for i in copy_rows:
         rows[i][5] = rows[i][1] // local
     number_waves()
-    room = None if rules.keep_room is None else list(rules.keep_room)  # each candidate plan starts afresh
-    for i in sorted(copy_rows, key=lambda i: (rows[i][4], rows[i][1], rows[i][2])):
-        helper = rows[i][2]
-        if room is None:
+    if rules.keep_room is None:
+        for i in copy_rows:
             rows[i][6] = 1
-        elif room[helper] > 0:
-            room[helper] -= 1
-            rows[i][6] = 1
+    else:
+        room = list(rules.keep_room)  # each candidate plan starts afresh
+        for i in sorted(copy_rows, key=lambda i: (rows[i][4], rows[i][1], rows[i][2])):
+            if room[rows[i][2]] > 0:
+                room[rows[i][2]] -= 1
+                rows[i][6] = 1
     if not rules.relay:
         return
     per_node = rules.ranks_per_node

@@ -290,3 +290,33 @@ def test_relaying_is_cheaper_across_slow_node_links():
     assert crossing[False] >= 2 and crossing[True] == 1
     assert timer.time(plans[True]) < timer.time(plans[False])
     assert math.isclose(timer.time(plans[True]), plan_model.predict(plans[True], layer, model)["layer_s"], rel_tol=1e-9)
+
+
+def test_step_gradient_return_crosses_once_per_expert_and_node():
+    """DeepSeek-V3 at P = 16: rank 0's expert 0 kept on ranks 1 (its node), 8 and 9 (the other
+    node). Relayed, rank 9's gradient is summed into rank 8's and one crosses; directly, two do.
+    Times: the cross-node phase carries one 88 MB gradient (two without relays) at 45 GB/s."""
+    layer, ep = FULL_SHAPES[1], 16
+    weight_bytes = plan_model.expert_shape(layer).weight_bytes
+    held = np.zeros((layer.num_experts, ep), bool)
+    held[0, [1, 8, 9]] = True
+    model = CostModel()
+    relayed_s, relayed_bytes = plan_model.step_gradient_return(held, layer, model, relay=True)
+    direct_s, direct_bytes = plan_model.step_gradient_return(held, layer, model, relay=False)
+    assert (relayed_bytes, direct_bytes) == (weight_bytes, 2 * weight_bytes)
+    inside = model.link_time(weight_bytes, False)  # rank 1 -> 0 and rank 9 -> 8, in parallel
+    assert relayed_s == pytest.approx(inside + model.link_time(weight_bytes, True), rel=1e-12)
+    assert direct_s == pytest.approx(model.link_time(2 * weight_bytes, True), rel=1e-12)
+
+
+def test_step_model_keeps_copies_only_after():
+    """The step-level model: copying per micro-batch (before) keeps nothing and returns no
+    gradient at the step's end; keeping (after) copies fewer weights over 8 micro-batches."""
+    layer, ep = FULL_SHAPES[1], 16
+    config = plan_model.ep_config(LLEPConfig(), CostModel(training=True), ep)
+    rows = plan_model.step_rows(layer, ep, SCENARIOS[8], config, seed=0, repeats=1)
+    by = {(r["weights"], r["micro_batches"]): r for r in rows}
+    assert sorted(by) == sorted((w, k) for w in ("before", "after") for k in plan_model.MICRO_BATCHES)
+    assert all(by["before", k]["kept_copies"] == 0 and by["before", k]["grad_return_ms"] == 0 for k in plan_model.MICRO_BATCHES)
+    assert by["after", 8]["kept_copies"] > 0
+    assert by["after", 8]["weight_gb"] < by["before", 8]["weight_gb"]
