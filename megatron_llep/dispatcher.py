@@ -23,7 +23,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -31,9 +30,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
+from megatron_llep.kept_weights import KeptExperts, add_returned_gradients, gradient_sync_on, ledger_for
 from megatron_llep.metrics import STATS, LLEPStepStats
 from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
-from megatron_llep.weight_exchange import ExpertWeightExchange, weight_exchange_group
+from megatron_llep.weight_exchange import ExpertWeightExchange, attach_gradient_return, weight_exchange_group
 
 
 # torch 2.13 renamed all_gather_into_tensor (same signature); keep older torch working
@@ -251,6 +251,13 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # borrowed weights travel on a communicator of their own, so that under NCCL they do not
         # queue behind (or in front of) the token all-to-all on the EP group's communicator
         self.weight_group = weight_exchange_group(self.ep_group)
+        # borrowed experts kept for the step (kept_weights): this rank's copies, and the EP group's
+        # ledger of who keeps what; forwards whose backward (with its gradient return) is to come
+        self.kept = KeptExperts()
+        self.kept_copy_bytes = self.expert_shape.kept_copy_bytes
+        self.ledger = ledger_for(self.weight_group)
+        self.ledger.register(self)
+        self._in_flight = 0
         # Megatron sets this only in its own preprocess; its D2H helper reads it on every step.
         self.num_global_tokens_per_local_expert = None
 
@@ -293,20 +300,30 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         device = routing_map.device
         # one more entry per rank: whether this rank's input is that of the oldest forward awaiting
         # its recompute, so that all EP ranks take the same decision below
+        # and the epoch of this rank's kept experts, so that a rank that dropped its copies on its
+        # own (kept_weights) makes every rank drop theirs before planning with them
         head = self._awaiting_recompute[0] if self._awaiting_recompute and torch.is_grad_enabled() else None
-        local = torch.cat([routing_map.sum(dim=0).long(),
-                           torch.tensor([int(head is not None and head.input_key == self._input_key)], device=device)])
-        gathered = torch.empty(self.ep_size * (self.num_experts + 1), dtype=torch.long, device=device)
+        match = int(head is not None and head.input_key == self._input_key)
+        local = torch.cat([routing_map.sum(dim=0).long(), torch.tensor([match, self.ledger.epoch], device=device)])
+        gathered = torch.empty(self.ep_size * (self.num_experts + 2), dtype=torch.long, device=device)
         _all_gather_single(gathered, local, group=self.ep_group)
-        gathered = gathered.cpu().numpy().reshape(self.ep_size, self.num_experts + 1)
-        counts, inputs_match = gathered[:, :-1], bool(gathered[:, -1].all())
+        gathered = gathered.cpu().numpy().reshape(self.ep_size, self.num_experts + 2)
+        counts, inputs_match = gathered[:, :-2], bool(gathered[:, -2].all())
+        epochs = gathered[:, -1]
+        if epochs.min() != epochs.max():
+            self.ledger.drop_all("a rank dropped its kept borrowed experts")
+            self.ledger.epoch = int(epochs.max())
         self.num_out_tokens = int(counts[self.ep_rank].sum())  # the permute's rows, dropped tokens excluded
 
         step = self._recomputed_step(counts, inputs_match)
         if step is None:
             step = self._plan_step(counts, device)
-            if self.forward_is_recomputed and self.training_forward_without_grad():
+            recomputed_later = self.forward_is_recomputed and self.training_forward_without_grad()
+            if recomputed_later:
                 self._awaiting_recompute.append(step)
+            if self.training and (torch.is_grad_enabled() or recomputed_later):  # a backward will follow
+                self._in_flight += 1
+                self.ledger.mark_pending(self)
         self.plan, self.rank_plan, self._exchange = step.plan, step.rank_plan, step.exchange
         if step.plan.is_plain_ep:
             self._llep_active = False
@@ -320,7 +337,10 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def _plan_step(self, counts: np.ndarray, device: torch.device) -> "_StepPlan":
         start = time.perf_counter()
-        plan = plan_llep(counts, self.llep_config, self.expert_shape, self.layer_number)
+        config = self.llep_config
+        plan = plan_llep(counts, config, self.expert_shape, self.layer_number, held=self.ledger.held_for(self),
+                         keep_room=self.ledger.room(self.kept_copy_bytes, config.max_kept_weight_bytes))
+        self.ledger.record(self, plan, self.kept_copy_bytes)
         plan_time = time.perf_counter() - start
         if self.llep_config.record_stats:
             self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)
@@ -331,9 +351,56 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         step.rank_plan = plan.rank_view(self.ep_rank)
         step.send_columns = _SendColumns(step.rank_plan, device)
         step.recv_perm = _RowPermutation.recv_order(step.rank_plan, device)
-        exchange = ExpertWeightExchange(self.weight_group, self.adapter, self.local_expert_indices[0], step.rank_plan, device)
+        kept = plan.transfer_kept
+        kept_pairs = frozenset(zip(plan.transfer_expert[kept].tolist(), plan.transfer_helper[kept].tolist()))
+        exchange = ExpertWeightExchange(self.weight_group, self.adapter, self.local_expert_indices[0], step.rank_plan,
+                                        device, self.kept, kept_pairs)
         step.exchange = exchange if exchange.active else None
         return step
+
+    # ------------------------------------------------------------------ gradient return
+    def attach_gradient_return(self, expert_input: torch.Tensor) -> torch.Tensor:
+        """Thread the experts' input through the node that ends this micro-batch's gradient
+        returns (:func:`~megatron_llep.weight_exchange.attach_gradient_return`), on every EP rank
+        alike whenever the layer keeps borrowed experts (any rank's, by the ledger: the step's
+        return may happen in this backward) or this rank lends or borrows now."""
+        exchange = self.weight_exchange
+        if not (torch.is_grad_enabled() and self.training):
+            return expert_input  # no backward, or (activation recompute) the node comes with the recompute
+        if exchange is None and self.ledger.held_for(self) is None:
+            self._in_flight = max(self._in_flight - 1, 0)  # this forward's backward returns nothing
+            return expert_input
+        local = self.num_local_experts
+        first = self.local_expert_indices[0]
+        held = self.ledger.held_for(self)
+        lent = set(exchange.sent_experts) if exchange is not None else set()
+        if held is not None:
+            lent |= {first + int(e) for e in np.nonzero(held[first : first + local].any(axis=1))[0]}
+        return attach_gradient_return(expert_input, self.adapter, first, exchange, sorted(lent),
+                                      self._finish_kept_in_backward)
+
+    def _finish_kept_in_backward(self) -> dict[int, list[torch.Tensor]]:
+        """At the end of a micro-batch's backward: the step's return of the kept experts' gradients
+        when this is the reducing backward (gradient sync on) and no forward of the layer still
+        awaits its backward; the fp32 sums of lent experts without ``main_grad``."""
+        self._in_flight = max(self._in_flight - 1, 0)
+        if not gradient_sync_on() or self._in_flight:
+            return {}
+        return dict(self._return_kept())
+
+    def _return_kept(self) -> list:
+        config = self.llep_config
+        returned = self.ledger.flush_layer(self, self.adapter, self.local_expert_indices[0], config.ranks_per_node,
+                                           config.relay_within_node)
+        self._in_flight = 0
+        return add_returned_gradients(self.adapter, returned)
+
+    def flush_kept_gradients(self) -> None:
+        """Return this layer's kept experts' gradients now, outside autograd (every EP rank calls
+        it at the same point: :func:`megatron_llep.kept_weights.finish_borrowed_gradients`)."""
+        for local_expert, sums in self._return_kept():
+            for param, total in zip(self.adapter.expert_tensors(local_expert), sums):
+                param.grad = total.to(param.dtype) if param.grad is None else param.grad + total.to(param.dtype)
 
     def training_forward_without_grad(self) -> bool:
         """A training forward whose autograd graph is not built now: Megatron's activation

@@ -13,6 +13,7 @@ Enable it in a layer spec::
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Optional
 
 import torch
@@ -72,11 +73,17 @@ class LLEPMoELayer(MoELayer):
         # pruning rewrites the router's output, first among its hooks: whatever observes the router
         # (routing-trace recorder, load meters) sees the routing that is actually dispatched
         self.router.register_forward_hook(self._prune_routing, prepend=True)
+        self._register_load_state_dict_pre_hook(self._drop_kept_before_load)
 
     def train(self, mode: bool = True) -> "LLEPMoELayer":
+        if mode != self.token_dispatcher.training:  # kept borrowed experts serve one mode only
+            self.token_dispatcher.ledger.invalidate("the model switched between training and evaluation")
         super().train(mode)
         self.token_dispatcher.training = mode
         return self
+
+    def _drop_kept_before_load(self, *args: Any) -> None:
+        self.token_dispatcher.ledger.invalidate("a state dict was loaded into an LLEP layer")
 
     def set_layer_number(self, layer_number: int) -> None:
         super().set_layer_number(layer_number)
@@ -111,24 +118,26 @@ class LLEPMoELayer(MoELayer):
         return pruned_probs, pruned_map
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """MoELayer's own compute on plain-EP steps; on spilling steps the native experts plus this
-        step's borrowed experts, with the same math."""
+        """MoELayer's own compute on plain-EP steps; on spilling steps the native experts, the
+        borrowed experts this rank keeps, then each wave of copies as it arrives, with the same math."""
         dispatcher = self.token_dispatcher
         if not dispatcher.llep_active:
-            return super().routed_experts_compute(hidden_states, probs)
+            # the step's return of kept experts' gradients may fall in this backward
+            return super().routed_experts_compute(dispatcher.attach_gradient_return(hidden_states), probs)
         hidden, tokens_per_slot, slot_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
         counts = tokens_per_slot.tolist()
         exchange = dispatcher.weight_exchange
-        if exchange is not None:
-            hidden = exchange.attach(hidden)
-        # native experts first, while the borrowed weights may still be in flight; then each wave
-        # of borrowed experts as soon as its weights are in
+        hidden = dispatcher.attach_gradient_return(hidden)
+        # native experts first, while the borrowed weights may still be in flight; then the kept
+        # copies, then each wave of borrowed experts as soon as its weights are in
         output = self.expert_adapter.forward_native(hidden, counts, slot_probs)
         borrowed_outputs = []
         if exchange is not None:
             slot = self.num_local_experts
-            for wave in exchange.waves:
-                output, borrowed = exchange.finish_wave(wave, output)
+            parts = [exchange.finish_held] if exchange.held else []
+            parts += [functools.partial(exchange.finish_wave, wave) for wave in exchange.waves]
+            for finish in parts:
+                output, borrowed = finish(output)
                 if borrowed:
                     borrowed_outputs += self.expert_adapter.forward_borrowed(hidden, counts, slot_probs, borrowed, slot)
                     slot += len(borrowed)

@@ -23,12 +23,13 @@ Megatron DDP's gradient hooks on them fire only after the returned gradients are
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_llep.experts import ExpertAdapter
+from megatron_llep.kept_weights import KeptExperts
 from megatron_llep.planner import RankPlan
 
 
@@ -54,7 +55,11 @@ def weight_exchange_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 class ExpertWeightExchange:
-    """The weight transfers of one rank for one layer step."""
+    """The weight transfers of one rank for one layer step (one micro-batch's forward and
+    backward): copies this rank sends (as native rank, or as the keeper that relays one inside
+    its node), copies it receives, the kept copies it computes with, and the per-micro-batch
+    gradient return of the copies that are not kept (:mod:`megatron_llep.kept_weights` returns
+    the kept ones once per step)."""
 
     def __init__(
         self,
@@ -63,28 +68,41 @@ class ExpertWeightExchange:
         first_local_expert: int,
         rank_plan: RankPlan,
         device: torch.device,
+        kept: Optional[KeptExperts] = None,
+        kept_pairs: frozenset = frozenset(),
     ) -> None:
         self.group = group
         self.adapter = adapter
         self.first_local_expert = first_local_expert
+        self.rank = rank_plan.rank
+        self.kept = kept if kept is not None else KeptExperts()
         self.sends = list(rank_plan.weights_to_send)
         self.receives = list(rank_plan.weights_to_receive)
+        self.held = list(getattr(rank_plan, "held_experts", []))
+        # a kept copy's gradient stays on its helper until the step's return; the others come back now
+        self.send_kept = [(expert, helper) in kept_pairs for expert, helper in self.sends]
+        self.receive_kept = [(expert, self.rank) in kept_pairs for expert, _ in self.receives]
         # this rank's waves, ascending: the order every rank posts (and its layer computes) them in
         self.waves = sorted(set(rank_plan.send_waves) | set(rank_plan.receive_waves))
-        # per wave: its (expert, helper) sends, and the positions in ``receives`` (slot order) of its receives
-        self.wave_sends = {w: [pair for pair, sw in zip(self.sends, rank_plan.send_waves) if sw == w]
-                           for w in self.waves}
+        # per wave: positions in ``sends`` and in ``receives`` (slot order)
+        self.wave_sends = {w: [i for i, sw in enumerate(rank_plan.send_waves) if sw == w] for w in self.waves}
         self.wave_receives = {w: [i for i, rw in enumerate(rank_plan.receive_waves) if rw == w]
                               for w in self.waves}
-        self.sent_experts = sorted({expert for expert, _ in self.sends})
-        specs = adapter.tensor_specs()
-        self.specs = specs
+        receive_wave = dict(zip((e for e, _ in self.receives), rank_plan.receive_waves))
+        # a wave that relays a copy received in an earlier wave of this step is posted once that arrived
+        self.wave_needs = {w: max([receive_wave.get(self.sends[i][0], -1) for i in self.wave_sends[w]], default=-1)
+                           for w in self.waves}
+        self.sent_experts = sorted({expert for expert, _ in self.sends if self._is_native(expert)})
+        self.specs = adapter.tensor_specs()
         self.device = device
-        self.received = {
-            expert: [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
-            for expert, _ in self.receives
-        }
+        self.received: dict[int, list[torch.Tensor]] = {}
+        for (expert, _), keep in zip(self.receives, self.receive_kept):
+            buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
+            self.received[expert] = buffers
+            if keep:
+                self.kept.weights[expert] = buffers  # valid once its wave is waited for
         self._pending: dict[int, list] = {}
+        self._posted_waves: set[int] = set()
         self._posted = False
         # backward: pending transfers, gradients being sent (kept alive), received gradients per lent expert
         self._gradient_works: list = []
@@ -94,95 +112,136 @@ class ExpertWeightExchange:
 
     @property
     def active(self) -> bool:
-        return bool(self.sends or self.receives)
+        return bool(self.sends or self.receives or self.held)
+
+    def _is_native(self, expert: int) -> bool:
+        return 0 <= expert - self.first_local_expert < self.adapter.num_local_experts
 
     def _peer(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
 
-    def _native_tensors(self, expert: int) -> list[torch.Tensor]:
-        return self.adapter.expert_tensors(expert - self.first_local_expert)
+    def _source_tensors(self, expert: int) -> list[torch.Tensor]:
+        """What a copy of ``expert`` is sent from: the native weights, or this rank's kept copy."""
+        if self._is_native(expert):
+            return [t.detach().contiguous() for t in self.adapter.expert_tensors(expert - self.first_local_expert)]
+        return self.kept.weights[expert]
 
     def start(self) -> None:
-        """Post the weight sends and receives without waiting, one batch per wave (call before the
-        token all-to-all). Once per step: a recomputed forward reuses the weights already received."""
+        """Post the weight sends and receives without waiting, one batch per wave, in ascending
+        waves, up to the first wave that relays a copy still on its way here (call before the token
+        all-to-all). Once per step: a recomputed forward reuses the weights already received."""
         if self._posted:
             return
         self._posted = True
+        self._post_ready()
+
+    def _post_ready(self) -> None:
         for wave in self.waves:
+            if wave in self._posted_waves:
+                continue
+            needs = self.wave_needs[wave]
+            if needs >= 0 and needs in self._pending:  # its relayed copy has not been waited for yet
+                return
+            self._posted_waves.add(wave)
             ops = []
-            for expert, helper in self.wave_sends[wave]:
-                for tensor in self._native_tensors(expert):
-                    ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self._peer(helper), self.group))
+            for i in self.wave_sends[wave]:
+                expert, helper = self.sends[i]
+                for tensor in self._source_tensors(expert):
+                    ops.append(dist.P2POp(dist.isend, tensor, self._peer(helper), self.group))
             for i in self.wave_receives[wave]:
-                expert, native = self.receives[i]
+                expert, source = self.receives[i]
                 for buffer in self.received[expert]:
-                    ops.append(dist.P2POp(dist.irecv, buffer, self._peer(native), self.group))
+                    ops.append(dist.P2POp(dist.irecv, buffer, self._peer(source), self.group))
             self._pending[wave] = dist.batch_isend_irecv(ops)
-
-    def attach(self, expert_input: torch.Tensor) -> torch.Tensor:
-        """Pass the experts' input (native and borrowed slots) through the gradient-return node.
-
-        Its backward runs once every expert on this rank, native and borrowed, has produced its
-        input gradient, and before the dispatch all-to-all's backward (which needs that gradient):
-        the returned gradients arrive while this rank's native experts run their backward, and the
-        P2P exchange can never cross the layer's all-to-all backwards."""
-        inputs = [t for expert in self.sent_experts for t in self._native_tensors(expert)]
-        return _ReturnBorrowedGradients.apply(expert_input, self, *inputs)
 
     def finish_wave(self, wave: int, native_output: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         """Wait for one wave of weights (call for each of :attr:`waves` in order, after the native
-        experts ran, chaining ``native_output`` through); returns it (pass it on) and the wave's
-        borrowed experts' tensors in slot order, connected to autograd.
+        experts and the held ones ran, chaining ``native_output`` through); returns it (pass it on)
+        and the wave's borrowed experts' tensors in slot order, connected to autograd.
 
         In backward each wave's node runs as soon as its borrowed experts' weight gradients exist
-        (last wave first): it posts their return without waiting, and :meth:`attach`'s node
-        completes it."""
+        (last wave first): it posts the return of the copies that are not kept without waiting,
+        adds the kept ones to their accumulators, and :meth:`attach`'s node completes it."""
+        return self._borrow(wave, native_output)
+
+    def finish_held(self, native_output: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+        """The kept copies this step computes with (slots right after the native ones)."""
+        return self._borrow(HELD_WAVE, native_output)
+
+    def _borrow(self, wave: int, native_output: torch.Tensor) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
         # Tie the outputs to a native parameter so that every rank's borrowed weights require grad
         # exactly when its expert parameters do (a rank that only receives has no other input).
-        tie = self._native_tensors(self.first_local_expert)[0]
+        tie = self.adapter.expert_tensors(0)[0]
         outputs = _BorrowWave.apply(native_output, tie, self, wave)
         anchor_out, flat = outputs[0], outputs[1:]
         per_expert = len(self.specs)
         borrowed = [list(flat[i * per_expert : (i + 1) * per_expert]) for i in range(len(flat) // per_expert)]
         return anchor_out, borrowed
 
+    def wave_tensors(self, wave: int) -> list[torch.Tensor]:
+        if wave == HELD_WAVE:
+            return [t for expert in self.held for t in self.kept.weights[expert]]
+        self.wait(wave)
+        return [t for i in self.wave_receives[wave] for t in self.received[self.receives[i][0]]]
+
     def release_received(self) -> None:
         """Drop this exchange's references to the received weights (after their last use: the end
         of the step's backward, or of a forward that no backward or recompute follows). Autograd
-        keeps what it saved for the borrowed GEMMs' backward; the rest is freed now rather than
-        when the layer's next step replaces this exchange."""
+        keeps what it saved for the borrowed GEMMs' backward, the kept copies stay in
+        :class:`KeptExperts`; the rest is freed now rather than when the next step replaces this
+        exchange."""
         self.received = {}
 
     def wait(self, wave: int) -> None:
         for work in self._pending.pop(wave, []):
             work.wait()
+        self._post_ready()  # a relay forwards what just arrived
 
     def post_gradients(self, wave: int, grads: list[Optional[torch.Tensor]]) -> None:
-        """Backward, first half: post the gradients of the wave's borrowed weights (``grads`` in
-        slot order) to their native ranks, and the receives of the gradients of the experts this
-        rank lent in that wave."""
+        """Backward, first half: the gradients of the wave's borrowed weights (``grads`` in slot
+        order): a kept copy's into its accumulator, the others posted to the rank they came from;
+        and the receives of the gradients of the copies this rank sent in that wave and that are
+        not kept."""
         per_expert = len(self.specs)
+        if wave == HELD_WAVE:
+            for k, expert in enumerate(self.held):
+                self.kept.accumulate(expert, grads[k * per_expert : (k + 1) * per_expert])
+            self._gradient_waves_posted += 1
+            return
         ops = []
         for k, i in enumerate(self.wave_receives[wave]):
-            expert, native = self.receives[i]
+            expert, source = self.receives[i]
+            mine = grads[k * per_expert : (k + 1) * per_expert]
+            if self.receive_kept[i]:
+                self.kept.accumulate(expert, mine)
+                continue
             for j, (shape, dtype) in enumerate(self.specs):
-                grad = grads[k * per_expert + j]
+                grad = mine[j]
                 grad = torch.zeros(shape, dtype=dtype, device=self.device) if grad is None else grad.contiguous()
                 self._gradients_out.append(grad)
-                ops.append(dist.P2POp(dist.isend, grad, self._peer(native), self.group))
-        for expert, helper in self.wave_sends[wave]:
-            buffers = [torch.empty_like(t) for t in self._native_tensors(expert)]
+                ops.append(dist.P2POp(dist.isend, grad, self._peer(source), self.group))
+        for i in self.wave_sends[wave]:
+            if self.send_kept[i]:
+                continue
+            expert, helper = self.sends[i]
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs]
             self._gradients_in.setdefault(expert, []).append(buffers)
             for buffer in buffers:
                 ops.append(dist.P2POp(dist.irecv, buffer, self._peer(helper), self.group))
-        self._gradient_works.extend(dist.batch_isend_irecv(ops))
+        if ops:
+            self._gradient_works.extend(dist.batch_isend_irecv(ops))
         self._gradient_waves_posted += 1
+
+    @property
+    def _backward_waves(self) -> int:
+        return len(self.waves) + (1 if self.held else 0)
 
     def return_gradients(self) -> list[Optional[torch.Tensor]]:
         """Backward, second half: wait for the posted gradient transfers; returns the summed
         gradient for each tensor of ``sent_experts`` (``None`` where it went straight into Megatron
-        DDP's ``main_grad``)."""
-        if self._gradient_waves_posted != len(self.waves):
+        DDP's ``main_grad``). Gradients of copies this rank relayed from its kept copy go into that
+        copy's accumulator."""
+        if self._gradient_waves_posted != self._backward_waves:
             raise RuntimeError(
                 "LLEP weight exchange: the borrowed-weight gradients were never posted (the backward of "
                 "the native experts' output did not run before that of the experts' input)"
@@ -193,18 +252,25 @@ class ExpertWeightExchange:
         self._gradient_works, self._gradients_out, self._gradients_in = [], [], {}
         self._gradient_waves_posted = 0
         self.release_received()  # the step's backward is done with the borrowed weights
+        for expert, parts in incoming.items():
+            if not self._is_native(expert):
+                for part in parts:
+                    self.kept.accumulate(expert, part)
         per_expert = len(self.specs)
         result: list[Optional[torch.Tensor]] = []
         for expert in self.sent_experts:
             main_grads = self.adapter.main_grads(expert - self.first_local_expert)
+            parts_per_helper = incoming.get(expert, [])
             for j in range(per_expert):
-                parts = [helper[j] for helper in incoming[expert]]
+                parts = [helper[j] for helper in parts_per_helper]
                 if main_grads[j] is not None:
                     # one add per helper, in main_grad's dtype (fp32 under DDP), as stock EP adds the
                     # native GEMM's gradient: no bf16 sum of partial gradients first
                     for part in parts:
                         main_grads[j].add_(part)
                     result.append(None)
+                elif not parts:
+                    result.append(None)  # every copy of it is kept: its gradient returns with the step's
                 else:
                     total = parts[0].float()
                     for part in parts[1:]:
@@ -213,16 +279,17 @@ class ExpertWeightExchange:
         return result
 
 
+HELD_WAVE = -1  # the pseudo-wave of the kept copies a step computes with (no transfer)
+
+
 class _BorrowWave(torch.autograd.Function):
     """Identity on the native output; outputs one wave's received weights; backward posts their
     gradients."""
 
     @staticmethod
     def forward(ctx, native_output, tie, exchange: ExpertWeightExchange, wave: int):
-        exchange.wait(wave)
         ctx.exchange, ctx.wave = exchange, wave
-        received = [t for i in exchange.wave_receives[wave] for t in exchange.received[exchange.receives[i][0]]]
-        return (native_output.view_as(native_output), *received)
+        return (native_output.view_as(native_output), *exchange.wave_tensors(wave))
 
     @staticmethod
     def backward(ctx, grad_native_output, *grad_received):
@@ -230,14 +297,57 @@ class _BorrowWave(torch.autograd.Function):
         return grad_native_output, None, None, None
 
 
+def attach_gradient_return(
+    expert_input: torch.Tensor,
+    adapter: ExpertAdapter,
+    first_local_expert: int,
+    exchange: Optional[ExpertWeightExchange],
+    lent_experts: list[int],
+    finish_kept: Callable[[], dict[int, list[torch.Tensor]]],
+) -> torch.Tensor:
+    """Pass the experts' input through the node that ends the layer's gradient returns.
+
+    Its backward runs once every expert on this rank, native and borrowed, has produced its input
+    gradient, and before the dispatch all-to-all's backward (which needs that gradient): it
+    completes the per-micro-batch returns of ``exchange`` (copies that are not kept), then calls
+    ``finish_kept`` (the step's return of the kept copies, when this backward is the reducing
+    one; it adds into ``main_grad`` itself and returns the fp32 sums of experts without one). The
+    native parameters of ``lent_experts`` (global ids of this rank's experts that are sent or kept
+    elsewhere) are inputs of the node, so Megatron DDP's gradient hooks on them fire only after
+    the returned gradients are in, and without DDP their gradients come back through autograd."""
+    lent = [t for expert in lent_experts for t in adapter.expert_tensors(expert - first_local_expert)]
+    ctx_state = (adapter, first_local_expert, exchange, lent_experts, finish_kept)
+    return _ReturnBorrowedGradients.apply(expert_input, ctx_state, *lent)
+
+
 class _ReturnBorrowedGradients(torch.autograd.Function):
-    """Identity on the experts' input; backward completes the gradient return to the lent experts."""
+    """Identity on the experts' input; backward completes the gradient returns to the lent experts."""
 
     @staticmethod
-    def forward(ctx, expert_input, exchange: ExpertWeightExchange, *lent):
-        ctx.exchange = exchange
+    def forward(ctx, expert_input, state, *lent):
+        ctx.state = state
         return expert_input.view_as(expert_input)
 
     @staticmethod
     def backward(ctx, grad_expert_input):
-        return (grad_expert_input, None, *ctx.exchange.return_gradients())
+        adapter, first_local, exchange, lent_experts, finish_kept = ctx.state
+        per_expert = len(adapter.tensor_specs())
+        now = dict(zip(exchange.sent_experts, _chunks(exchange.return_gradients(), per_expert))) if exchange else {}
+        kept = finish_kept()
+        grads: list[Optional[torch.Tensor]] = []
+        for expert in lent_experts:
+            params = adapter.expert_tensors(expert - first_local)
+            parts = now.get(expert, [None] * per_expert)
+            sums = kept.pop(expert - first_local, None)
+            for param, part, total in zip(params, parts, sums or [None] * per_expert):
+                if total is not None:
+                    part = total.to(param.dtype) if part is None else (part.float() + total).to(param.dtype)
+                grads.append(part)
+        for local_expert, sums in kept.items():  # kept elsewhere by a forward after this one: no autograd slot
+            for param, total in zip(adapter.expert_tensors(local_expert), sums):
+                param.grad = total.to(param.dtype) if param.grad is None else param.grad + total.to(param.dtype)
+        return (grad_expert_input, None, *grads)
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]

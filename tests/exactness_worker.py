@@ -18,6 +18,7 @@ from megatron_llep.testing import grouped_gemm_cpu
 from megatron_llep.testing.moe import (build_moe_layer, expert_weights, gathered_expert_weights, init_expert_parallel,
                                        moe_config, send_a_neighbouring_expert)
 from megatron_llep.testing.reference import dense_moe_reference, expert_forward_reference
+from megatron_llep.kept_weights import KeptLedger
 from megatron_llep.weight_exchange import ExpertWeightExchange
 
 
@@ -89,18 +90,23 @@ def _gather_experts(layer) -> list[dict]:
 
 @contextlib.contextmanager
 def _drop_returned_gradients():
-    """Helpers compute borrowed-weight gradients, but the native rank never receives them."""
-    original = ExpertWeightExchange.return_gradients
+    """Helpers compute borrowed-weight gradients, but the native rank never receives them (neither
+    those of copies used once nor the step's return of the kept ones)."""
+    original, flush = ExpertWeightExchange.return_gradients, KeptLedger.flush_layer
 
     def dropped(self):
         original(self)
         return [None] * (len(self.sent_experts) * len(self.specs))
 
-    ExpertWeightExchange.return_gradients = dropped
+    def flushed_into_nothing(self, *args, **kwargs):
+        flush(self, *args, **kwargs)
+        return {}
+
+    ExpertWeightExchange.return_gradients, KeptLedger.flush_layer = dropped, flushed_into_nothing
     try:
         yield
     finally:
-        ExpertWeightExchange.return_gradients = original
+        ExpertWeightExchange.return_gradients, KeptLedger.flush_layer = original, flush
 
 
 @contextlib.contextmanager

@@ -179,6 +179,47 @@ def finish_param_sync(module: Any) -> None:
                 hook(submodule, ())
 
 
+def hook_ddp_gradient_sync(no_sync_depth: Callable[[int], None], before_sync: Callable[[torch.nn.Module], None]) -> None:
+    """Watch Megatron DDP's gradient-sync points, once per process: ``no_sync_depth(+1 / -1)`` on
+    entering and leaving ``no_sync`` (Megatron's schedules enter it for all but the step's last
+    backward, through ``config.no_sync_func``), and ``before_sync(ddp_module)`` before
+    ``start_grad_sync`` (``config.grad_sync_func`` of pipeline stages) and ``finish_grad_sync``
+    (``finalize_model_grads``, hand-written loops), i.e. before any reduction that is not started
+    by DDP's own backward hooks. Patched on the class so that every way a loop reaches them is
+    seen, whoever built the model and whenever ``config``'s functions were set."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if getattr(DistributedDataParallel, "_llep_sync_hooks", False):
+        return
+    no_sync, start, finish = (DistributedDataParallel.no_sync, DistributedDataParallel.start_grad_sync,
+                              DistributedDataParallel.finish_grad_sync)
+
+    @contextlib.contextmanager
+    def counted_no_sync(self):
+        with no_sync(self):
+            no_sync_depth(1)
+            try:
+                yield
+            finally:
+                no_sync_depth(-1)
+
+    @functools.wraps(start)
+    def start_grad_sync(self, *args, **kwargs):
+        before_sync(self)
+        return start(self, *args, **kwargs)
+
+    @functools.wraps(finish)
+    def finish_grad_sync(self, *args, **kwargs):
+        before_sync(self)
+        return finish(self, *args, **kwargs)
+
+    counted_no_sync.__doc__ = no_sync.__doc__
+    DistributedDataParallel.no_sync = counted_no_sync
+    DistributedDataParallel.start_grad_sync = start_grad_sync
+    DistributedDataParallel.finish_grad_sync = finish_grad_sync
+    DistributedDataParallel._llep_sync_hooks = True
+
+
 def moe_layer_number(layer: torch.nn.Module) -> Optional[int]:
     """An MoE layer's number in the whole model, the same on every release: decoder layers
     ``1..num_layers``, then the multi-token-prediction layers ``num_layers + 1, ...``. 0.17+ number

@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
 from megatron_llep.compat import mcore
 from megatron_llep.compat.mcore import GroupedMLP, SequentialMLP
+from megatron_llep.kept_weights import drop_kept_experts
 from megatron_llep.placement.placement import ExpertPlacement, check_permutation, check_routing_groups
 
 Model = Union[torch.nn.Module, Iterable[torch.nn.Module]]
@@ -66,6 +67,7 @@ def apply_placement(model: Model, placement: ExpertPlacement) -> None:
     missing = sorted(set(layers) - set(placement.layers))
     if missing:
         raise ValueError(f"the placement has no entry for MoE layer(s) {missing} (it holds {sorted(placement.layers)})")
+    drop_kept_experts("the expert placement changed")  # kept copies would carry the old expert ids
     for number, layer in sorted(layers.items()):
         _permute_layer(layer, placement, number)
 

@@ -152,13 +152,16 @@ def send_a_neighbouring_expert() -> Iterator[None]:
     the one borrowed, so borrowed slots compute with the wrong expert."""
     from megatron_llep.weight_exchange import ExpertWeightExchange
 
-    original = ExpertWeightExchange._native_tensors
+    original = ExpertWeightExchange._source_tensors
 
     def shifted(self, expert):
-        return self.adapter.expert_tensors((expert - self.first_local_expert + 1) % self.adapter.num_local_experts)
+        if not self._is_native(expert):
+            return original(self, expert)
+        neighbour = (expert - self.first_local_expert + 1) % self.adapter.num_local_experts
+        return [t.detach().contiguous() for t in self.adapter.expert_tensors(neighbour)]
 
-    ExpertWeightExchange._native_tensors = shifted
+    ExpertWeightExchange._source_tensors = shifted
     try:
         yield
     finally:
-        ExpertWeightExchange._native_tensors = original
+        ExpertWeightExchange._source_tensors = original

@@ -1,0 +1,299 @@
+"""Borrowed experts kept for the optimizer step, and the one return of their gradients.
+
+Weights do not change between the micro-batches of a step, so a helper keeps the experts it
+received (:class:`KeptExperts`, one per LLEP layer and rank) and later micro-batches compute them
+without a new copy. Their gradients accumulate on the helper in fp32 and go back to the native
+rank once (:meth:`KeptLedger.flush_layer`): summed inside each node first (one rank per node and
+expert collects them, with ``relay_within_node``), then across.
+
+Every EP rank records the same plans, so each holds the same :class:`KeptLedger` (which rank
+keeps which expert of which layer, the bytes each rank spends, which layers have gradients to
+return) and posts matching transfers without asking anyone.
+
+When the gradients go back (the step's gradient reduction must see them):
+
+* in the layer's backward, when gradient sync is on (outside Megatron DDP's ``no_sync``: the last
+  micro-batch of a step under Megatron's schedules, or every backward of a loop without
+  ``no_sync``) and no other forward of the layer awaits its backward: before the native experts'
+  DDP hooks fire, so overlapped grad reduce sees the whole gradient;
+* otherwise before Megatron DDP's ``start_grad_sync`` (``config.grad_sync_func`` of pipeline
+  stages whose reduce starts after the last backward) or ``finish_grad_sync``
+  (``finalize_model_grads``): :func:`megatron_llep.compat.mcore.hook_ddp_gradient_sync` watches
+  them; :func:`finish_borrowed_gradients` does the same for other loops.
+
+Copies are dropped after that return, and whenever the weights may change: a torch optimizer's
+step (a global pre-hook, which also refuses to step while gradients are still away), a state-dict
+load, a switch between training and evaluation, a placement change (:func:`drop_kept_experts`).
+Under evaluation the copies stay across forwards until one of those. A rank that drops on its own
+bumps its epoch; the next plan's count all-gather carries the epochs and every rank drops too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from megatron_llep.compat import mcore
+from megatron_llep.experts import ExpertAdapter
+
+
+class KeptExperts:
+    """The borrowed experts one rank keeps for one LLEP layer: their weights and fp32 gradient
+    accumulators (allocated on the first gradient)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, list[torch.Tensor]] = {}
+        self.gradients: dict[int, list[torch.Tensor]] = {}
+
+    def accumulate(self, expert: int, grads: list[Optional[torch.Tensor]]) -> None:
+        if expert not in self.weights:
+            raise RuntimeError(f"LLEP: a gradient arrived for expert {expert}, which this rank does not keep")
+        sums = self.gradients.get(expert)
+        if sums is None:
+            sums = self.gradients[expert] = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                                             for w in self.weights[expert]]
+        for total, grad in zip(sums, grads):
+            if grad is not None:
+                total.add_(grad)
+
+    def gradient(self, expert: int) -> list[torch.Tensor]:
+        """The accumulated gradient (zeros if no backward used the copy)."""
+        if expert not in self.gradients:
+            self.gradients[expert] = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                                      for w in self.weights[expert]]
+        return self.gradients[expert]
+
+    def clear(self) -> None:
+        self.weights, self.gradients = {}, {}
+
+
+class KeptLedger:
+    """Which EP rank keeps which borrowed expert of which LLEP layer (the same on every rank of
+    the EP group), with each rank's bytes spent on kept experts over all layers."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.ep_size = group.size()
+        self.rank = group.rank()
+        self.held: dict[Any, np.ndarray] = {}  # layer (its dispatcher) -> bool [N, P]
+        self.pending: set = set()  # layers whose kept experts took part in a backward-bound forward
+        self.used = np.zeros(self.ep_size, np.int64)
+        self.epoch = 0
+        self._layers: list[weakref.ref] = []  # in construction order
+
+    def register(self, layer: Any) -> None:
+        self._layers.append(weakref.ref(layer))
+
+    def layer_list(self) -> list:
+        return [layer for layer in (ref() for ref in self._layers) if layer is not None]
+
+    def held_for(self, layer: Any) -> Optional[np.ndarray]:
+        held = self.held.get(layer)
+        return held if held is not None and held.any() else None
+
+    def room(self, copy_bytes: int, bound: Optional[int]) -> Optional[np.ndarray]:
+        """How many more copies of ``copy_bytes`` each rank may keep (None: no bound)."""
+        if bound is None:
+            return None
+        return np.maximum(bound - self.used, 0) // max(copy_bytes, 1)
+
+    def record(self, layer: Any, plan, copy_bytes: int) -> None:
+        """Add ``plan``'s kept copies (``LLEPPlan.transfer_kept``) to the ledger."""
+        kept = getattr(plan, "transfer_kept", None)
+        if kept is None or not np.any(kept):
+            return
+        held = self.held.get(layer)
+        if held is None:
+            held = self.held[layer] = np.zeros((plan.num_experts, self.ep_size), bool)
+        experts, helpers = plan.transfer_expert[kept], plan.transfer_helper[kept]
+        held[experts, helpers] = True
+        np.add.at(self.used, helpers, copy_bytes)
+
+    def mark_pending(self, layer: Any) -> None:
+        if self.held_for(layer) is not None:
+            self.pending.add(layer)
+
+    def forget_layer(self, layer: Any, copy_bytes: int) -> None:
+        held = self.held.pop(layer, None)
+        if held is not None:
+            self.used -= held.sum(axis=0) * copy_bytes
+        self.pending.discard(layer)
+        layer.kept.clear()
+
+    def drop_all(self, reason: str) -> None:
+        """Drop every kept copy of every layer (weights may have changed); refuses while kept
+        gradients are still away from their native ranks."""
+        if self.pending:
+            names = ", ".join(str(getattr(layer, "layer_number", "?")) for layer in self.pending)
+            raise RuntimeError(
+                f"LLEP: {reason} while gradients of borrowed experts (MoE layers {names}) have not been returned to "
+                "their native ranks; run the step through Megatron's schedule with config.finalize_model_grads_func "
+                "set, or call megatron_llep.finish_borrowed_gradients(model) after the last backward of the step")
+        for layer in list(self.held):
+            self.forget_layer(layer, layer.kept_copy_bytes)
+        for layer in self.layer_list():
+            layer.kept.clear()
+        self.used[:] = 0
+
+    def invalidate(self, reason: str) -> None:
+        """The expert weights may change: drop every kept copy (see :meth:`drop_all`) and bump this
+        rank's epoch, which the next plan's all-gather compares across the EP group."""
+        if self.held or self.pending:
+            self.drop_all(reason)
+            self.epoch += 1
+
+    # ------------------------------------------------------------------ gradient return
+    def flush_layer(self, layer: Any, adapter: ExpertAdapter, first_local_expert: int,
+                    ranks_per_node: Optional[int], relay: bool) -> dict[int, list[torch.Tensor]]:
+        """Return the kept experts' gradients of ``layer`` to their native ranks and drop the
+        copies. Helpers of a node other than the native rank's send to the lowest-ranked helper of
+        their node (with ``relay``), which adds them to its own and sends the sum across; the
+        others send straight to the native rank. Returns, on a native rank, the fp32 sums per
+        lent local expert (added into ``main_grad`` by the caller or returned through autograd)."""
+        held = self.held.get(layer)
+        if held is None:
+            self.pending.discard(layer)
+            return {}
+        per_node = ranks_per_node or self.ep_size
+        local = adapter.num_local_experts
+        specs = adapter.tensor_specs()
+        first_hop: list[tuple[int, int, int]] = []  # (expert, from, to)
+        second_hop: list[tuple[int, int, int]] = []
+        for expert, holder in zip(*np.nonzero(held)):
+            expert, holder = int(expert), int(holder)
+            native = expert // local
+            holders = np.nonzero(held[expert])[0]
+            same_node = holders[holders // per_node == holder // per_node]
+            root = int(same_node.min()) if relay and holder // per_node != native // per_node else native
+            if holder != root:
+                first_hop.append((expert, holder, root))
+            if root != native and holder == root:
+                second_hop.append((expert, root, native))
+        received: dict[int, list[torch.Tensor]] = {}
+        kept = layer.kept
+        for hop in (first_hop, second_hop):
+            ops, into = [], []
+            for expert, source, target in hop:
+                if source == self.rank:
+                    for tensor in kept.gradient(expert):
+                        ops.append(dist.P2POp(dist.isend, tensor, dist.get_global_rank(self.group, target), self.group))
+                elif target == self.rank:
+                    buffers = [torch.empty(shape, dtype=torch.float32, device=_device(adapter)) for shape, _ in specs]
+                    into.append((expert, buffers))
+                    for buffer in buffers:
+                        ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(self.group, source), self.group))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            for expert, buffers in into:
+                if expert // local == self.rank:
+                    sums = received.setdefault(expert - first_local_expert, [torch.zeros_like(b) for b in buffers])
+                    for total, part in zip(sums, buffers):
+                        total.add_(part)
+                else:
+                    kept.accumulate(expert, buffers)  # this rank collects its node's sum
+        self.forget_layer(layer, layer.kept_copy_bytes)
+        return received
+
+
+def _device(adapter: ExpertAdapter) -> torch.device:
+    return adapter.expert_tensors(0)[0].device
+
+
+def add_returned_gradients(adapter: ExpertAdapter, returned: dict[int, list[torch.Tensor]]) -> list:
+    """Add flushed fp32 sums into Megatron DDP's ``main_grad`` of the lent experts; those without
+    a ``main_grad`` (no DDP) are returned as ``(local expert, grads)`` for ``param.grad``."""
+    rest = []
+    for local_expert, sums in sorted(returned.items()):
+        main_grads = adapter.main_grads(local_expert)
+        if all(g is not None for g in main_grads):
+            for main_grad, total in zip(main_grads, sums):
+                main_grad.add_(total)
+        else:
+            rest.append((local_expert, sums))
+    return rest
+
+
+_LEDGERS: dict[tuple[int, ...], KeptLedger] = {}
+
+
+def ledger_for(group: dist.ProcessGroup) -> KeptLedger:
+    """The ledger of an EP group, one per process (all its LLEP layers share the byte bound)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _LEDGERS:
+        _LEDGERS[ranks] = KeptLedger(group)
+        _install_optimizer_hook()
+        mcore.hook_ddp_gradient_sync(_count_no_sync, _before_ddp_sync)
+    return _LEDGERS[ranks]
+
+
+# ---------------------------------------------------------------------- step boundaries
+_SYNC_OFF_DEPTH = 0  # > 0 inside Megatron DDP's no_sync
+
+
+def gradient_sync_on() -> bool:
+    """Whether the backward running now is one that reduces gradients (not inside Megatron DDP's
+    ``no_sync``, which Megatron's schedules enter for all but a step's last backward)."""
+    return _SYNC_OFF_DEPTH == 0
+
+
+def _count_no_sync(change: int) -> None:
+    global _SYNC_OFF_DEPTH
+    _SYNC_OFF_DEPTH += change
+
+
+def _dispatchers(modules: Optional[Iterable[Any]]) -> list:
+    """The LLEP dispatchers of ``modules`` in module order (every EP rank builds the same layers in
+    the same order, so they flush in the same order); ``None``: every LLEP layer of this process."""
+    if modules is None:
+        return [layer for ledger in _LEDGERS.values() for layer in ledger.layer_list()]
+    from megatron_llep.layer import LLEPMoELayer  # the layer module imports this one
+
+    return [m.token_dispatcher for module in modules if isinstance(module, torch.nn.Module)
+            for m in module.modules() if isinstance(m, LLEPMoELayer)]
+
+
+def finish_borrowed_gradients(model: Any = None) -> None:
+    """Return every kept borrowed expert's gradient of ``model`` (a module, a list of model chunks,
+    or ``None`` for every LLEP layer of this process) to its native rank and drop the copies.
+
+    Runs by itself before Megatron DDP's ``start_grad_sync`` and ``finish_grad_sync`` (so through
+    ``config.grad_sync_func`` and ``finalize_model_grads``); a loop that accumulates gradients
+    some other way calls it after the step's last backward, before reducing gradients. Every EP
+    rank must call it."""
+    chunks = model if model is None or isinstance(model, (list, tuple)) else [model]
+    for dispatcher in _dispatchers(chunks):
+        if dispatcher.ledger.held_for(dispatcher) is not None or dispatcher in dispatcher.ledger.pending:
+            dispatcher.flush_kept_gradients()
+
+
+def _before_ddp_sync(ddp_module: torch.nn.Module) -> None:
+    if any(ledger.held or ledger.pending for ledger in _LEDGERS.values()):
+        finish_borrowed_gradients(ddp_module)
+
+
+_OPTIMIZER_HOOK = None
+
+
+def _install_optimizer_hook() -> None:
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    for ledger in _LEDGERS.values():
+        ledger.invalidate("an optimizer step began")
+
+
+def drop_kept_experts(reason: str = "the expert weights changed") -> None:
+    """Drop every kept borrowed expert on this rank (call on every rank when expert weights
+    change outside an optimizer step, e.g. a placement change); the next plan's epoch check
+    makes the other EP ranks drop theirs too."""
+    for ledger in _LEDGERS.values():
+        ledger.invalidate(reason)

@@ -1,0 +1,204 @@
+"""Rank-side code of the kept-borrowed-experts tests: a tiny GPTModel with MoE layers trained through
+Megatron's own schedule (several micro-batches per step, routing different in each), Megatron DDP
+and the distributed optimizer, once with plain EP and once with LLEP from equal weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_llep import kept_weights
+from megatron_llep.config import LLEPConfig
+from megatron_llep.layer import with_llep
+from megatron_llep.scenarios import force_routing
+from megatron_llep.weight_exchange import ExpertWeightExchange
+
+VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 8, 2, 8, 2
+
+
+@dataclass(frozen=True)
+class StepCase:
+    name: str
+    ep: int
+    pp: int = 1
+    microbatches: int = 4
+    steps: int = 2
+    overlap_grad_reduce: bool = True
+    ranks_per_node: int = 0  # 0: one node
+    grad_sync_func: bool = False  # Megatron-LM's align_grad_reduce: stages start their reduce after the last backward
+    max_kept_weight_bytes: int = -1  # -1: no bound
+    broken: str = ""  # negative control: "stale" keeps copies across the optimizer step
+
+
+def _config(case: StepCase) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=2 * case.pp, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+        num_moe_experts=EXPERTS, moe_ffn_hidden_size=12, moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=case.ep, pipeline_model_parallel_size=case.pp, use_cpu_initialization=True,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, moe_enable_routing_replay=True,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, add_bias_linear=False,
+        normalization="RMSNorm",
+    )
+
+
+def _build(case: StepCase, llep: bool, state=None):
+    config = _config(case)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
+    if llep:
+        bound = None if case.max_kept_weight_bytes < 0 else case.max_kept_weight_bytes
+        spec = with_llep(spec, LLEPConfig(min_chunk_tokens=1, cost_aware=False, imbalance_threshold=1.05,
+                                          ranks_per_node=case.ranks_per_node or None, max_kept_weight_bytes=bound))
+    torch.manual_seed(11)
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    if state is not None:
+        model.load_state_dict(state)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=case.overlap_grad_reduce,
+                                               use_distributed_optimizer=True, bucket_size=2000)
+    model = DistributedDataParallel(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, adam_eps=1e-4, use_distributed_optimizer=True, clip_grad=1.0,
+                        bf16=False),
+        [model],
+    )
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if case.grad_sync_func:
+        config.grad_sync_func = model.start_grad_sync
+    return model, optimizer
+
+
+def _moe_layers(model) -> list:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def _routing(step: int, microbatch: int, rank: int, layer: int, ep: int) -> np.ndarray:
+    """Half of each rank's tokens into expert 0 (EP rank 0), the rest piled on the experts of one
+    other EP rank that changes with the micro-batch: the least-loaded helpers differ between
+    micro-batches, so the same hot expert is borrowed by different helpers within a step."""
+    rng = np.random.default_rng(100_000 * step + 1000 * microbatch + 10 * rank + layer)
+    local = EXPERTS // ep
+    busy = 1 + (microbatch + layer) % (ep - 1)
+    pool = np.arange(busy * local, (busy + 1) * local)
+    ids = np.empty((BATCH * SEQ, TOPK), np.int64)
+    for row in range(ids.shape[0]):
+        first = 0 if rng.random() < 0.5 else int(rng.integers(1, EXPERTS))
+        second = int(rng.choice(pool)) if rng.random() < 0.7 else int(rng.integers(0, EXPERTS))
+        while second == first:
+            second = int(rng.integers(0, EXPERTS))
+        ids[row] = (first, second)
+    return ids
+
+
+def _loss(output: torch.Tensor):
+    loss = output.float().sum()
+    return loss, torch.tensor(output.numel(), dtype=torch.int), {"lm loss": torch.stack([loss.detach(),
+                                                                                      torch.tensor(float(output.numel()))])}
+
+
+def _train(case: StepCase, model, optimizer, rank: int) -> list[float]:
+    layers = _moe_layers(model)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    forward_backward = get_forward_backward_func()
+    losses = []
+    for step in range(case.steps):
+        micro = iter(range(case.microbatches))
+
+        def forward_step(data_iterator, model_chunk):
+            mb = next(data_iterator)
+            gen = torch.Generator().manual_seed(7919 * step + 101 * mb + ep_rank)
+            tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+            labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+            for index, layer in enumerate(layers):
+                force_routing(layer.router, _routing(step, mb, ep_rank, layer.layer_number, case.ep))
+            position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+            return model_chunk(tokens, position_ids, None, labels=labels), _loss
+
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        result = forward_backward(forward_step_func=forward_step, data_iterator=micro, model=[model],
+                                  num_microbatches=case.microbatches, seq_length=SEQ, micro_batch_size=BATCH,
+                                  forward_only=False)
+        optimizer.step()
+        losses.append(float(sum(float(r["lm loss"][0]) for r in result)) if result else 0.0)
+    return losses
+
+
+def _break(case: StepCase):
+    """Negative control "stale": the step's return drops nothing, the optimizer step invalidates
+    nothing, so the next step computes with copies of the old weights."""
+    if case.broken != "stale":
+        return lambda: None
+    forget, invalidate = kept_weights.KeptLedger.forget_layer, kept_weights.KeptLedger.invalidate
+
+    def keep_copies(ledger, layer, copy_bytes):
+        ledger.pending.discard(layer)
+        layer.kept.gradients = {}
+
+    kept_weights.KeptLedger.forget_layer = keep_copies
+    kept_weights.KeptLedger.invalidate = lambda ledger, reason: None
+
+    def restore():
+        kept_weights.KeptLedger.forget_layer, kept_weights.KeptLedger.invalidate = forget, invalidate
+
+    return restore
+
+
+def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
+    results = []
+    for case in cases:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, case.pp, expert_model_parallel_size=case.ep)
+        model_parallel_cuda_manual_seed(1234)
+        plain_model, plain_opt = _build(case, llep=False)
+        llep_model, llep_opt = _build(case, llep=True, state=plain_model.module.state_dict())
+        plain_losses = _train(case, plain_model, plain_opt, rank)
+        counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0}
+        local = EXPERTS // case.ep
+        start, flush = ExpertWeightExchange.start, kept_weights.KeptLedger.flush_layer
+
+        def counting_start(exchange):
+            if not exchange._posted:
+                counts["copies"] += len(exchange.receives)
+                counts["relayed"] += sum(source != expert // local for expert, source in exchange.receives)
+                counts["held"] += len(exchange.held)
+            start(exchange)
+
+        def counting_flush(ledger, layer, *args):
+            counts["returns"] += int(ledger.held_for(layer) is not None)
+            return flush(ledger, layer, *args)
+
+        ExpertWeightExchange.start, kept_weights.KeptLedger.flush_layer = counting_start, counting_flush
+        restore = _break(case)
+        try:
+            llep_losses = _train(case, llep_model, llep_opt, rank)
+        finally:
+            restore()
+            ExpertWeightExchange.start, kept_weights.KeptLedger.flush_layer = start, flush
+        plain_params = dict(plain_model.module.named_parameters())
+        worst = max(float((p.detach() - plain_params[n].detach()).abs().max() / plain_params[n].abs().max().clamp_min(1e-30))
+                    for n, p in llep_model.module.named_parameters())
+        totals = torch.tensor(list(counts.values()))
+        dist.all_reduce(totals)
+        results.append({"case": dataclasses.asdict(case), "plain_losses": plain_losses, "llep_losses": llep_losses,
+                        "param_rel_diff": worst, **dict(zip(counts, totals.tolist()))})
+        for ledger in kept_weights._LEDGERS.values():  # the next case builds new layers
+            ledger.held.clear(), ledger.pending.clear()
+            ledger.used[:] = 0
+    return results
