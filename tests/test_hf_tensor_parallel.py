@@ -4,20 +4,18 @@ against transformers' (fp32, the parity tests' tolerance), every rank reading on
 parameters' bytes (the embedding and output layer as vocabulary shards); export bit-identical to
 the original bf16 tensors. Negative controls: one parameter's partition dim flipped (row vs
 column) is refused on import and makes that tensor differ on export; DeepSeek-V3's gate/up
-rank-block layout dropped breaks the logits."""
+rank-block layout dropped breaks the logits. Transformer Engine parameter names (listed from
+Megatron-Core's TE specs) map to the same Hugging Face tensors as the local spec's."""
 
-import os
-import sys
+import re
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import hf_deepseek_v3_worker as DS  # noqa: E402
-import hf_gpt_oss_worker as GO  # noqa: E402
-import hf_tensor_parallel_worker as W  # noqa: E402
-from megatron_llep.testing.distributed import run_distributed  # noqa: E402
+import hf_deepseek_v3_worker as DS
+import hf_gpt_oss_worker as GO
+import hf_tensor_parallel_worker as W
+from megatron_llep.testing.distributed import run_distributed
 
 GPT_OSS_TOLERANCE = 1e-5  # tests/test_hf_gpt_oss.py
 DEEPSEEK_TOLERANCE = 1e-5  # tests/test_hf_deepseek_v3.py
@@ -163,8 +161,6 @@ def _te_names(family: str) -> list:
 
 
 def _local_name(te_name: str) -> str:
-    import re
-
     for pattern, local in TE_TO_LOCAL:
         te_name = re.sub(pattern, local, te_name)
     return te_name
@@ -174,8 +170,6 @@ def _chunk_with(names: list) -> torch.nn.Module:
     """A module tree holding a one-element parameter under each name (the router's expert_bias
     a buffer), with the attributes canonical names read: each decoder layer's layer_number and
     each MoE layer's local_expert_indices (this EP rank's experts)."""
-    import re
-
     root = torch.nn.Module()
     for name in names:
         *path, leaf = name.split(".")

@@ -24,9 +24,9 @@ An expert rule whose HF pattern has no ``{expert}`` reads an HF tensor fused ove
 Import (:func:`import_hf_checkpoint`) is per rank and streaming: every rank reads only the tensors
 of the parameters it holds, expert rows included, and narrows tensor-parallel parameters to its
 partition; where a transform is ``row_local`` (the vocabulary-parallel embedding and output layer),
-it reads only its partition's rows. Export (:func:`export_hf_checkpoint`) gathers tensor-parallel partitions inside their
-group and sends every tensor from one owning rank to rank 0, layer by layer, which writes bounded
-safetensors shards. Both are collective over the default process group; errors are raised on
+it reads only its partition's rows. Export (:func:`export_hf_checkpoint`) gathers tensor-parallel
+partitions inside their group and sends every tensor from one owning rank to rank 0, layer by
+layer, which writes bounded safetensors shards. Both are collective over the default process group; errors are raised on
 every rank alike (:class:`ConversionError`, one line naming the parameter / tensor / field).
 """
 
@@ -619,7 +619,8 @@ def _own_rows(entry: Entry, transform: Transform, rule: _CompiledRule, names: tu
     part = entry.tensor.shape[0]
     if shape[0] != part * tp_size or tuple(shape[1:]) != tuple(entry.tensor.shape[1:]):
         raise ConversionError(f"{names[0]} {tuple(shape)} does not fit Megatron {entry.canonical} "
-                              f"{tuple(entry.tensor.shape)} (TP partition): config.json and the recipe disagree on a size")
+                              f"{tuple(entry.tensor.shape)} (TP partition): config.json and the recipe disagree "
+                              "on a size")
     return slice(tp_rank * part, (tp_rank + 1) * part)
 
 
