@@ -105,7 +105,8 @@ def _parallel_and_precision(ep_size: int, tp_size: int, pp_size: int, dtype: tor
         pipeline_model_parallel_size=pp_size,
         expert_model_parallel_size=ep_size,
         expert_tensor_parallel_size=1,
-        sequence_parallel=tp_size > 1,
+        # torch norms (CPU) refuse sequence parallelism; without it Megatron's MoE layer runs TP > 1 only in eval
+        sequence_parallel=tp_size > 1 and not cpu,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -100,7 +100,7 @@ def recipe_from_arguments(saved: argparse.Namespace, ep_size: int = 1, tp_size: 
     args = copy.copy(saved)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp_size, pp_size
     args.expert_model_parallel_size, args.expert_tensor_parallel_size = ep_size, 1
-    args.sequence_parallel = tp_size > 1
+    args.sequence_parallel = tp_size > 1 and not cpu  # as recipes/models.py: torch norms (CPU) refuse it
     args.params_dtype = dtype
     args.bf16, args.fp16 = dtype == torch.bfloat16, False
     args.use_cpu_initialization = cpu

@@ -320,7 +320,8 @@ def test_group_routing_rule_is_asserted():
 
 
 def test_gated_fc1_is_laid_out_per_tensor_parallel_rank():
-    """TP = 2 (not runnable on CPU): rank r's contiguous half of linear_fc1 is [gate_r; up_r]."""
+    """TP = 2 and expert TP = 2: rank r's contiguous half of linear_fc1 is [gate_r; up_r] (the whole
+    model at TP = 2 against transformers: tests/test_hf_tensor_parallel.py)."""
     from types import SimpleNamespace
 
     from recipes.hf.convert import TRANSFORMS, Context

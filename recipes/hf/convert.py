@@ -8,14 +8,14 @@ layer), ``{expert}`` (global expert id) and ``{mtp}`` (multi-token-prediction la
 add its own HF-side placeholders computed from those (``PLACEHOLDERS``, e.g. DeepSeek-V3's MTP layer
 ``k`` is HF layer ``num_hidden_layers + k``).
 
-Canonical names are a model chunk's parameter names made global and independent of the module
-implementation (:func:`canonical_name`): ``decoder.layers.{i}.`` -> the layer's global index
-(``layer_number - 1``, so pipeline stages map right); experts ``...experts.local_experts.{j}.X``
-(``SequentialMLP``) and ``...experts.X{j}`` (Transformer Engine's ``TEGroupedMLP``, e.g.
-``linear_fc1.weight3``) -> ``...experts.{E}.X`` with ``E`` the global expert id; Transformer
-Engine's fused norms ``self_attention.linear_qkv.layer_norm_weight`` -> ``input_layernorm.weight``
-and ``mlp.linear_fc1.layer_norm_weight`` -> ``pre_mlp_layernorm.weight``. ``_extra_state`` is
-skipped; buffers take part only where a rule names them (the router's ``expert_bias``).
+Canonical names are a model chunk's parameter names made global: ``decoder.layers.{i}.`` -> the
+layer's global index (``layer_number - 1``, so pipeline stages map right); a local expert index ->
+the global expert id ``E``: ``...experts.local_experts.{j}.X`` (``SequentialMLP``) ->
+``...experts.{E}.X``, and Transformer Engine's ``TEGroupedMLP`` ``...experts.linear_fc1.weight{j}``
+-> ``...experts.linear_fc1.weight{E}``. Other Transformer Engine names stay as they are (e.g. the
+fused norms ``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``):
+the family tables map them, like every other name. ``_extra_state`` is skipped; buffers take part
+only where a rule names them (the router's ``expert_bias``).
 
 An expert rule whose HF pattern has no ``{expert}`` reads an HF tensor fused over experts
 (``[E, ...]``, gpt-oss): the transform's ``read(name)`` then returns only row ``E`` (read with
@@ -23,9 +23,10 @@ An expert rule whose HF pattern has no ``{expert}`` reads an HF tensor fused ove
 
 Import (:func:`import_hf_checkpoint`) is per rank and streaming: every rank reads only the tensors
 of the parameters it holds, expert rows included, and narrows tensor-parallel parameters to its
-partition. Export (:func:`export_hf_checkpoint`) gathers tensor-parallel partitions inside their
-group and sends every tensor from one owning rank to rank 0, layer by layer, which writes bounded
-safetensors shards. Both are collective over the default process group; errors are raised on
+partition; where a transform is ``row_local`` (the vocabulary-parallel embedding and output layer),
+it reads only its partition's rows. Export (:func:`export_hf_checkpoint`) gathers tensor-parallel
+partitions inside their group and sends every tensor from one owning rank to rank 0, layer by
+layer, which writes bounded safetensors shards. Both are collective over the default process group; errors are raised on
 every rank alike (:class:`ConversionError`, one line naming the parameter / tensor / field).
 """
 
@@ -103,11 +104,14 @@ class Context:
 
 class Reader:
     """``read(name)``: an HF tensor as a transform sees it (for a fused-experts rule, only the
-    context's expert row); ``read.has(name)``; ``read.rows(name, index)`` for explicit row reads."""
+    context's expert row; for a row-local transform of a vocabulary-parallel parameter, only this
+    rank's rows); ``read.has(name)``; ``read.rows(name, index)`` for explicit row reads."""
 
-    def __init__(self, ckpt: HFCheckpoint, expert_row: Optional[int] = None, missing_hint: str = "") -> None:
+    def __init__(self, ckpt: HFCheckpoint, expert_row: Optional[int] = None, missing_hint: str = "",
+                 rows: Optional[slice] = None) -> None:
         self.ckpt = ckpt
         self.expert_row = expert_row
+        self.rows = rows
         self.missing_hint = missing_hint  # appended to the missing-tensor error
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -116,6 +120,8 @@ class Reader:
                                   f"{self.missing_hint}")
         if self.expert_row is not None:
             return self.ckpt.get_rows(name, self.expert_row)
+        if self.rows is not None:
+            return self.ckpt.get_rows(name, self.rows)
         return self.ckpt.get(name)
 
     def has(self, name: str) -> bool:
@@ -131,7 +137,13 @@ class Transform:
     ``to_megatron(read, names, ctx)``: ``names`` are the rule's HF names formatted for this
     parameter; return the Megatron tensor (any float dtype; the engine casts).
     ``to_hf(tensor, ctx)``: the full Megatron tensor -> ``{hf name: tensor}`` (names from
-    ``ctx.hf_names``; for a fused-experts rule, the expert's row without the leading dim)."""
+    ``ctx.hf_names``; for a fused-experts rule, the expert's row without the leading dim).
+
+    ``row_local``: the Megatron tensor's row ``i`` is row ``i`` of its one HF tensor, so a rank
+    holding a dim-0 tensor-parallel partition (the vocabulary-parallel embedding and output layer)
+    reads only its own rows."""
+
+    row_local = False
 
     def to_megatron(self, read: Reader, names: tuple[str, ...], ctx: Context) -> torch.Tensor:
         raise NotImplementedError
@@ -153,6 +165,8 @@ def register_transform(name: str, transform: Transform) -> Transform:
 
 class Copy(Transform):
     """One HF tensor, same layout."""
+
+    row_local = True
 
     def to_megatron(self, read, names, ctx):
         (name,) = names
@@ -281,10 +295,6 @@ class _Family:
 _DECODER_LAYER = re.compile(r"^(?P<pre>(?:.*\.)?decoder\.layers)\.(?P<i>\d+)\.(?P<rest>.+)$")
 _LOCAL_EXPERT = re.compile(r"^(?P<pre>.*\.experts)\.local_experts\.(?P<j>\d+)\.(?P<rest>.+)$")
 _TE_GROUPED_EXPERT = re.compile(r"^(?P<pre>.*\.experts)\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)(?P<j>\d+)$")
-_TE_NORMS = (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-             ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
-             ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-             ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"))
 # parameters split across tensor-parallel ranks without Megatron's ``tensor_model_parallel`` mark
 _UNMARKED_TP_DIM0 = ("core_attention.softmax_offset",)
 
@@ -332,9 +342,6 @@ def _canonical(chunk: torch.nn.Module, name: str, tensor: torch.Tensor, placemen
         if number is None:
             raise ConversionError(f"{name}: its transformer layer has no layer_number")
         canonical = f"{m['pre']}.{int(number) - 1}.{m['rest']}"
-    for te_name, plain in _TE_NORMS:
-        if canonical.endswith("." + te_name):
-            canonical = canonical[: -len(te_name)] + plain
     slot = layer_number = None
     expert_match = _LOCAL_EXPERT.match(name) or _TE_GROUPED_EXPERT.match(name)
     if expert_match:
@@ -348,9 +355,11 @@ def _canonical(chunk: torch.nn.Module, name: str, tensor: torch.Tensor, placemen
         expert = slot
         if placement is not None:
             expert = int(placement.slot_to_expert(int(layer_number))[slot])
-        rest = expert_match["rest"] if "rest" in expert_match.groupdict() else f"{expert_match['fc']}.{expert_match['kind']}"
         canon_pre = _canonical_prefix(chunk, pre)
-        canonical = f"{canon_pre}.{expert}.{rest}"
+        if "rest" in expert_match.groupdict():
+            canonical = f"{canon_pre}.{expert}.{expert_match['rest']}"
+        else:  # TEGroupedMLP: the global id in place of the local one
+            canonical = f"{canon_pre}.{expert_match['fc']}.{expert_match['kind']}{expert}"
     elif ".router." in name:  # its per-expert rows follow a placement too
         layer_number = getattr(chunk.get_submodule(name.rsplit(".router.", 1)[0]), "layer_number", None)
     return Entry(canonical, name, tensor, is_expert=expert_match is not None, layer_number=layer_number, slot=slot)
@@ -572,10 +581,15 @@ def _import_one(entry: Entry, config, rule: _CompiledRule, groups: dict[str, int
         hint = (f" (multi-token-prediction layer {groups['mtp']}, which config.json's num_nextn_predict_layers = "
                 f"{ckpt.config.get('num_nextn_predict_layers')} promises: pass --hf-drop-mtp to build the model "
                 "without MTP layers; library: recipe_from_hf_config(..., drop_mtp=True))")
-    reader = Reader(ckpt, expert_row=groups["expert"] if rule.rule.fused_experts else None, missing_hint=hint)
-    full = TRANSFORMS[rule.transform_name].to_megatron(reader, names, ctx)
+    transform = TRANSFORMS[rule.transform_name]
     tp_rank, tp_size, _ = _tp_group_of(entry)
     dim = _partition_dim(entry, tp_size)
+    rows = _own_rows(entry, transform, rule, names, ckpt, dim, tp_rank, tp_size)
+    reader = Reader(ckpt, expert_row=groups["expert"] if rule.rule.fused_experts else None, missing_hint=hint,
+                    rows=rows)
+    full = transform.to_megatron(reader, names, ctx)
+    if rows is not None:
+        dim = None  # read as this rank's partition already
     local = full
     if dim is not None and full.dim() != param.dim():  # e.g. sinks [heads] for a [1, heads, 1, 1] parameter
         dim = next((d for d, n in enumerate(full.shape) if n > 1), 0)
@@ -593,6 +607,21 @@ def _import_one(entry: Entry, config, rule: _CompiledRule, groups: dict[str, int
                               f"{tuple(param.shape)}{' (TP partition)' if dim is not None else ''}: config.json and "
                               f"the recipe disagree on a size")
     param.data.copy_(local.to(device=param.device, dtype=param.dtype))
+
+
+def _own_rows(entry: Entry, transform: Transform, rule: _CompiledRule, names: tuple[str, ...], ckpt: HFCheckpoint,
+              dim: Optional[int], tp_rank: int, tp_size: int) -> Optional[slice]:
+    """The rows of the HF tensor this rank's dim-0 partition holds, where a row-local transform
+    lets it read only those (None: read the whole tensor and narrow it)."""
+    if dim != 0 or not transform.row_local or rule.rule.fused_experts or len(names) != 1 or not ckpt.has(names[0]):
+        return None
+    shape = ckpt.shape(names[0])
+    part = entry.tensor.shape[0]
+    if shape[0] != part * tp_size or tuple(shape[1:]) != tuple(entry.tensor.shape[1:]):
+        raise ConversionError(f"{names[0]} {tuple(shape)} does not fit Megatron {entry.canonical} "
+                              f"{tuple(entry.tensor.shape)} (TP partition): config.json and the recipe disagree "
+                              "on a size")
+    return slice(tp_rank * part, (tp_rank + 1) * part)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ _LAYER_RULES: list[tuple[str, Any, str]] = [
     ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", "copy"),
     # dense MLP (the first first_k_dense_replace layers)
     ("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "deepseek_gate_up"),
+    ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight", "copy"),  # TE: fused into fc1
     ("mlp.linear_fc2.weight", "mlp.down_proj.weight", "deepseek_linear"),
     # MoE
     ("mlp.router.weight", "mlp.gate.weight", "copy"),
@@ -68,6 +69,10 @@ _LAYER_RULES: list[tuple[str, Any, str]] = [
     ("mlp.experts.{expert}.linear_fc1.weight",
      ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"), "deepseek_gate_up"),
     ("mlp.experts.{expert}.linear_fc2.weight", "mlp.experts.{expert}.down_proj.weight", "deepseek_linear"),
+    # the same under Transformer Engine's TEGroupedMLP names
+    ("mlp.experts.linear_fc1.weight{expert}",
+     ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"), "deepseek_gate_up"),
+    ("mlp.experts.linear_fc2.weight{expert}", "mlp.experts.{expert}.down_proj.weight", "deepseek_linear"),
     ("mlp.shared_experts.linear_fc1.weight",
      ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "deepseek_gate_up"),
     ("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight", "deepseek_linear"),
@@ -251,6 +256,8 @@ def _mtp_layers(ctx: Context) -> int:
 class SharedWithMTP(Transform):
     """The embedding / output layer: one HF tensor on import; on export also the copies each MTP
     layer of the release carries (``model.layers.{N+k}.embed_tokens`` / ``.shared_head.head``)."""
+
+    row_local = True
 
     def __init__(self, mtp_suffix: str) -> None:
         self.mtp_suffix = mtp_suffix

@@ -30,6 +30,7 @@ M = "decoder.layers.{layer}"
 MAPPING = [
     Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
     Rule(f"{M}.input_layernorm.weight", f"{L}.input_layernorm.weight"),
+    Rule(f"{M}.self_attention.linear_qkv.layer_norm_weight", f"{L}.input_layernorm.weight"),  # TE: fused into qkv
     Rule(f"{M}.self_attention.linear_qkv.weight",
          (f"{L}.self_attn.q_proj.weight", f"{L}.self_attn.k_proj.weight", f"{L}.self_attn.v_proj.weight"), "qkv"),
     Rule(f"{M}.self_attention.linear_qkv.bias",
@@ -45,6 +46,11 @@ MAPPING = [
     Rule(f"{M}.mlp.experts.{{expert}}.linear_fc1.bias", f"{L}.mlp.experts.gate_up_proj_bias", "gpt_oss_gate_up_bias"),
     Rule(f"{M}.mlp.experts.{{expert}}.linear_fc2.weight", f"{L}.mlp.experts.down_proj", "gpt_oss_down"),
     Rule(f"{M}.mlp.experts.{{expert}}.linear_fc2.bias", f"{L}.mlp.experts.down_proj_bias"),
+    # the same under Transformer Engine's TEGroupedMLP names (``linear_fc1.weight{expert}``)
+    Rule(f"{M}.mlp.experts.linear_fc1.weight{{expert}}", f"{L}.mlp.experts.gate_up_proj", "gpt_oss_gate_up"),
+    Rule(f"{M}.mlp.experts.linear_fc1.bias{{expert}}", f"{L}.mlp.experts.gate_up_proj_bias", "gpt_oss_gate_up_bias"),
+    Rule(f"{M}.mlp.experts.linear_fc2.weight{{expert}}", f"{L}.mlp.experts.down_proj", "gpt_oss_down"),
+    Rule(f"{M}.mlp.experts.linear_fc2.bias{{expert}}", f"{L}.mlp.experts.down_proj_bias"),
     Rule("decoder.final_layernorm.weight", "model.norm.weight"),
     Rule("output_layer.weight", "lm_head.weight"),
 ]
