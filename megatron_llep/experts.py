@@ -91,7 +91,9 @@ class ExpertAdapter(ABC):
         """The native experts on the first ``num_local_experts`` slots' rows (the leading rows)."""
         counts = [int(c) for c in tokens_per_slot[: self.num_local_experts]]
         rows = sum(counts)
-        return self.experts(hidden[:rows], torch.tensor(counts), probs[:rows])[0]
+        if rows != hidden.shape[0]:
+            hidden, probs = hidden.narrow(0, 0, rows), probs.narrow(0, 0, rows)
+        return self.experts(hidden, torch.tensor(counts), probs)[0]
 
     def forward_borrowed(
         self,
@@ -109,23 +111,39 @@ class ExpertAdapter(ABC):
         if first < local or first + len(borrowed) > len(counts):
             raise ValueError(f"{len(counts)} slot counts cannot hold {len(borrowed)} borrowed experts from slot "
                              f"{first} ({local} native slots)")
-        rows = sum(counts[:first])
+        before = sum(counts[:first])
+        rows = sum(counts[first : first + len(borrowed)])
+        part = hidden.narrow(0, before, rows)
+        part_probs = probs.narrow(0, before, rows)
+        return self.forward_borrowed_part(part, counts[first : first + len(borrowed)], part_probs, borrowed)
+
+    def forward_borrowed_part(
+        self, hidden: torch.Tensor, counts: Sequence[int], probs: torch.Tensor, borrowed: Sequence[Tensors]
+    ) -> list[torch.Tensor]:
+        """``borrowed``'s experts on ``hidden``, which holds exactly their rows (``counts``).
+
+        The rows are cut into the calls' pieces by one ``split`` (one gradient buffer in backward,
+        where a slice per call would allocate a zero-filled copy of the whole input each)."""
+        local = self.num_local_experts
+        counts = [int(c) for c in counts]
+        groups = [counts[start : start + local] for start in range(0, len(borrowed), local)]
+        sizes = [sum(group) for group in groups]
+        if len(groups) == 1:
+            pieces, piece_probs = [hidden], [probs]
+        else:
+            pieces, piece_probs = hidden.split(sizes), probs.split(sizes)
         outputs = []
-        for start in range(0, len(borrowed), local):
+        for start, group_counts, piece, piece_prob in zip(range(0, len(borrowed), local), groups, pieces, piece_probs):
             group = borrowed[start : start + local]
-            group_counts = counts[first + start : first + start + len(group)]
-            group_rows = sum(group_counts)
             with _unfused_weight_grads(self._fusion_flags):
                 out, _ = torch.func.functional_call(
                     self.experts,
                     self.substitute(group),
-                    (hidden[rows : rows + group_rows], self.group_counts(group_counts),
-                     probs[rows : rows + group_rows]),
+                    (piece, self.group_counts(group_counts), piece_prob),
                     strict=False,
                     tie_weights=False,  # expert weights are never tied; skips a walk over every parameter
                 )
             outputs.append(out)
-            rows += group_rows
         return outputs
 
 

@@ -16,6 +16,7 @@ import copy
 import functools
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -128,19 +129,23 @@ class LLEPMoELayer(MoELayer):
         counts = tokens_per_slot.tolist()
         exchange = dispatcher.weight_exchange
         hidden = dispatcher.attach_gradient_return(hidden)
-        # native experts first, while the borrowed weights may still be in flight; then the kept
-        # copies, then each wave of borrowed experts as soon as its weights are in
-        output = self.expert_adapter.forward_native(hidden, counts, slot_probs)
-        borrowed_outputs = []
+        local = self.num_local_experts
+        # the experts' calls, in slot order: native experts first, while the borrowed weights may
+        # still be in flight; then the kept copies; then each wave as soon as its weights are in
+        calls = [(exchange.finish_held, len(exchange.held))] if exchange is not None and exchange.held else []
         if exchange is not None:
-            slot = self.num_local_experts
-            parts = [exchange.finish_held] if exchange.held else []
-            parts += [functools.partial(exchange.finish_wave, wave) for wave in exchange.waves]
-            for finish in parts:
-                output, borrowed = finish(output)
-                if borrowed:
-                    borrowed_outputs += self.expert_adapter.forward_borrowed(hidden, counts, slot_probs, borrowed, slot)
-                    slot += len(borrowed)
+            calls += [(functools.partial(exchange.finish_wave, w), len(exchange.wave_receives[w])) for w in exchange.waves]
+        bounds = np.cumsum([0, local] + [n for _, n in calls])
+        # one split of the rows for all calls: in backward a slice per call would each allocate a
+        # zero-filled gradient of the whole input
+        sizes = [sum(counts[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        pieces, piece_probs = (hidden.split(sizes), slot_probs.split(sizes)) if calls else ([hidden], [slot_probs])
+        output = self.expert_adapter.forward_native(pieces[0], counts[:local], piece_probs[0])
+        borrowed_outputs = []
+        for (finish, _), a, b, piece, piece_prob in zip(calls, bounds[1:-1], bounds[2:], pieces[1:], piece_probs[1:]):
+            output, borrowed = finish(output)
+            if borrowed:
+                borrowed_outputs += self.expert_adapter.forward_borrowed_part(piece, counts[a:b], piece_prob, borrowed)
         if exchange is not None and not torch.is_grad_enabled() and not dispatcher.training_forward_without_grad():
             exchange.release_received()  # no backward or recompute will use them
         if borrowed_outputs:
