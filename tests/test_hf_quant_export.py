@@ -324,3 +324,27 @@ def test_deepseek_error_report_after_training(exported):
     _check_report(res["tuned"].quantization, groups, quantized, plain, dequantize)
     assert W.rel_err(res["exported_logits"], res["trained_logits"]) > 1e-5
 
+
+
+def _export_args(**flags) -> argparse.Namespace:
+    return argparse.Namespace(**{"quant_source": None, "fresh_scales": False, "dequantized": False, **flags})
+
+
+def test_export_flags_are_refused_where_the_round_trip_cannot_hold(exported):
+    """``python -m recipes.hf export``: a model imported from a quantized checkpoint needs a scale
+    source, fresh scales or --dequantized; flags that contradict the checkpoint are one line."""
+    from recipes.hf import gpt_oss
+    from recipes.hf.__main__ import export_quantizer
+    from recipes.hf.checkpoint import HFCheckpoint
+
+    quantized = HFCheckpoint(exported["gpt_mxfp4"]).config
+    plain = {k: v for k, v in quantized.items() if k != "quantization_config"}
+    with pytest.raises(ValueError, match=r"imported from a mxfp4 checkpoint: pass --quant-source DIR .* --fresh-scales"):
+        export_quantizer(_export_args(), quantized, gpt_oss)
+    with pytest.raises(ValueError, match=r"^--fresh-scales: the checkpoint's config.json has no quantization_config"):
+        export_quantizer(_export_args(fresh_scales=True), plain, gpt_oss)
+    with pytest.raises(ValueError, match=r"^--quant-source .*quant_method is 'fp8', the model's 'mxfp4'"):
+        export_quantizer(_export_args(quant_source=exported["ds_fp8"]), quantized, gpt_oss)
+    assert export_quantizer(_export_args(dequantized=True), quantized, gpt_oss) is None
+    assert export_quantizer(_export_args(), plain, gpt_oss) is None
+    assert export_quantizer(_export_args(quant_source=exported["gpt_mxfp4"]), quantized, gpt_oss).source is not None
