@@ -96,15 +96,18 @@ if __name__ == "__main__":
     from megatron_llep.testing.distributed import run_distributed
 
     root = sys.argv[1]
-    bf16, mxfp4 = os.path.join(root, "bf16"), os.path.join(root, "mxfp4")
-    if not os.path.isdir(mxfp4):
-        W.save_tiny_model(bf16, mxfp4, max_shard_size="64MB", **W.MEASURE_SHAPE)
-    size = sum(os.path.getsize(os.path.join(mxfp4, f)) for f in os.listdir(mxfp4)) / 2**20
     shard = 16 * 2**20
-    for world in (1, 2):
-        for rank, r in enumerate(run_distributed(measure, world, mxfp4, os.path.join(root, f"export_ep{world}"), shard,
-                                                 timeout_s=900)):
-            print(f"MXFP4 checkpoint {size:.0f} MiB, EP={world} rank {rank}: own parameters {r['param_mib']:.0f} MiB "
-                  f"(fp32); peak RSS over the start: import +{r['import_peak_mib']:.0f} MiB, export "
-                  f"+{r['export_peak_mib']:.0f} MiB (over {r['rss_before_mib']:.0f} MiB; wrote {r['written_mib']:.0f} "
-                  f"MiB in {r['shards']} shards of <= {shard / 2**20:.0f} MiB, {r['seconds']:.1f} s)", flush=True)
+    for layers in (4, 8):  # the export's peak should not grow with the model: it holds one layer at a time
+        mxfp4 = os.path.join(root, f"mxfp4_{layers}_layers")
+        if not os.path.isdir(mxfp4):
+            W.save_tiny_model(os.path.join(root, f"bf16_{layers}_layers"), mxfp4, max_shard_size="64MB",
+                              **{**W.MEASURE_SHAPE, "num_hidden_layers": layers})
+        size = sum(os.path.getsize(os.path.join(mxfp4, f)) for f in os.listdir(mxfp4)) / 2**20
+        for world in (1, 2):
+            out = os.path.join(root, f"export_{layers}_layers_ep{world}")
+            for rank, r in enumerate(run_distributed(measure, world, mxfp4, out, shard, timeout_s=900)):
+                print(f"{layers} layers, MXFP4 checkpoint {size:.0f} MiB, EP={world} rank {rank}: own parameters "
+                      f"{r['param_mib']:.0f} MiB (fp32); peak RSS over the start: import +{r['import_peak_mib']:.0f} "
+                      f"MiB, export +{r['export_peak_mib']:.0f} MiB (over {r['rss_before_mib']:.0f} MiB; wrote "
+                      f"{r['written_mib']:.0f} MiB in {r['shards']} shards of <= {shard / 2**20:.0f} MiB, "
+                      f"{r['seconds']:.1f} s)", flush=True)

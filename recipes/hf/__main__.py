@@ -166,10 +166,11 @@ def exported_config(source: Optional[dict], generated: dict, quantized: bool = F
     return {k: v for k, v in source.items() if quantized or k != "quantization_config"}
 
 
-def export_quantizer(args: argparse.Namespace, hf_config: Optional[dict], family):
-    """The :class:`recipes.hf.quant.ExportQuantizer` for an export in the source's precision, or
-    None for plain weights; ValueError (one line naming the flag) where the flags and the
-    checkpoint disagree."""
+def export_quantizer(args: argparse.Namespace, hf_config: Optional[dict], family,
+                     device: Optional[torch.device] = None):
+    """The :class:`recipes.hf.quant.ExportQuantizer` (quantizing on ``device``) for an export in
+    the source's precision, or None for plain weights; ValueError (one line naming the flag) where
+    the flags and the checkpoint disagree."""
     from recipes.hf.checkpoint import HFCheckpoint
     from recipes.hf.quant import ExportQuantizer
 
@@ -196,7 +197,7 @@ def export_quantizer(args: argparse.Namespace, hf_config: Optional[dict], family
         if source_method != method:
             raise ValueError(f"--quant-source {args.quant_source}: its quantization_config.quant_method is "
                              f"{source_method!r}, the model's {method!r}; give the checkpoint the model was imported from")
-    return ExportQuantizer(rules, hf_config, source)
+    return ExportQuantizer(rules, hf_config, source, device=device)
 
 
 LOGIT_CHECK_PROMPTS = (4, 64)  # the fixed prompt set of the export's logit check: sequences x tokens
@@ -258,7 +259,7 @@ def run_export(args: argparse.Namespace) -> str:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         recipe = finetune.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
                                       cpu=device.type == "cpu")
-        quantizer = export_quantizer(args, hf_config, family)
+        quantizer = export_quantizer(args, hf_config, family, device=device if device.type == "cuda" else None)
     except (ValueError, checkpointing.CheckpointError) as err:
         _fail(str(err))
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)

@@ -747,6 +747,7 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
     with torch.no_grad():
         for key, names in units.items():
             pieces: dict[str, dict[str, torch.Tensor]] = {}
+            stacked: dict[str, torch.Tensor] = {}  # fused experts: each expert's row goes straight into place
             for name in names:
                 tensor = None
                 if name in local:  # TP gather on every holder (collective inside the TP group)
@@ -765,6 +766,11 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
                     try:
                         pieces[name] = {k: v.detach().cpu() for k, v in
                                         TRANSFORMS[rule.transform_name].to_hf(tensor, ctx).items()}
+                        expert = groups.get("expert", -1)
+                        if rule.rule.fused_experts and 0 <= expert < len(names):
+                            for hf_name, row in pieces[name].items():
+                                stacked.setdefault(hf_name, row.new_empty((len(names), *row.shape)))[expert] = row
+                            pieces[name] = dict.fromkeys(pieces[name])  # the names only: no second copy
                     except (ConversionError, ValueError, RuntimeError) as err:
                         error = error or f"{name}: {err}"
                 elif rank == src:
@@ -778,8 +784,7 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
                         error = f"{names[0]}: experts {experts} do not cover 0..{len(experts) - 1}"
                     else:
                         for hf_name in pieces[ordered[0]]:
-                            stacked = torch.stack([pieces[n][hf_name] for n in ordered])
-                            written, failure = _write_hf_tensor(writer, fam, hf_name, stacked, quantizer)
+                            written, failure = _write_hf_tensor(writer, fam, hf_name, stacked.pop(hf_name), quantizer)
                             report.tensors, error = report.tensors + written, error or failure
                 else:
                     for hf_name, tensor in pieces[names[0]].items():

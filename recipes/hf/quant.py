@@ -414,9 +414,12 @@ class ExportQuantizer:
     With ``source`` (an :class:`~recipes.hf.checkpoint.HFCheckpoint` of the quantized checkpoint
     the model was imported from) the source decides which tensors are quantized (those stored so
     there) and lends its block scales (see the module docstring); without it every matching tensor
-    is quantized with fresh scales. ``stats`` holds the error per report group."""
+    is quantized with fresh scales. ``stats`` holds the error per report group. ``device``: where
+    to quantize (e.g. rank 0's GPU: the export holds its tensors on the CPU), one expert or one
+    weight at a time; the results come back to the CPU."""
 
-    def __init__(self, rules: Sequence[tuple[str, str, str]], hf_config: dict, source=None) -> None:
+    def __init__(self, rules: Sequence[tuple[str, str, str]], hf_config: dict, source=None,
+                 device: Optional[torch.device] = None) -> None:
         self.rules = [(re.compile(pattern), fmt, group) for pattern, fmt, group in rules]
         for _, fmt, _ in self.rules:
             if fmt not in FORMATS:
@@ -424,6 +427,7 @@ class ExportQuantizer:
         quant = hf_config.get("quantization_config") or {}
         self.block_size = tuple(int(b) for b in (quant.get("weight_block_size") or (128, 128)))
         self.source = source
+        self.device = device
         self.stats: dict[str, QuantStats] = {}
 
     def _rule(self, name: str) -> Optional[tuple[str, str]]:
@@ -433,9 +437,12 @@ class ExportQuantizer:
         if self.source is None or not self.source.has(name):
             return None
         try:
-            return self.source.get(name)
+            return self._on_device(self.source.get(name))
         finally:
             self.source.release()  # scales are read once: keep no shard mapped
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.device is None else tensor.to(self.device)
 
     def _plan(self, name: str) -> Optional[tuple[str, str, tuple[str, str]]]:
         """(format, report group, stored names) of HF tensor ``name``, or None if it stays plain."""
@@ -460,12 +467,13 @@ class ExportQuantizer:
             if tensor.dim() != 3:
                 raise ValueError(f"{name}: expected a fused [experts, in, out] expert weight, got {tuple(tensor.shape)}")
             source_scales = self._source_tensor(stored[1])
-            parts = [quantize_mxfp4(tensor[e].t(), None if source_scales is None else source_scales[e], stats=stats)
-                     for e in range(tensor.shape[0])]
-            return {stored[0]: torch.stack([b for b, _ in parts]), stored[1]: torch.stack([s for _, s in parts])}
-        weight, scale_inv = quantize_fp8_blockwise(tensor, self.block_size, self._source_tensor(stored[1]),
-                                                   stats=stats)
-        return {name: weight, stored[1]: scale_inv}
+            parts = [quantize_mxfp4(self._on_device(tensor[e]).t(), None if source_scales is None else source_scales[e],
+                                    stats=stats) for e in range(tensor.shape[0])]
+            return {stored[0]: torch.stack([b.cpu() for b, _ in parts]),
+                    stored[1]: torch.stack([s.cpu() for _, s in parts])}
+        weight, scale_inv = quantize_fp8_blockwise(self._on_device(tensor), self.block_size,
+                                                   self._source_tensor(stored[1]), stats=stats)
+        return {name: weight.cpu(), stored[1]: scale_inv.cpu()}
 
     def round_trip(self, name: str, tensor: torch.Tensor, expert: Optional[int] = None) -> Optional[torch.Tensor]:
         """What a checkpoint written by :meth:`encode` loads for ``name`` (float32, same layout),
@@ -476,6 +484,8 @@ class ExportQuantizer:
             return None
         fmt, _, stored = plan
         source = self._source_tensor(stored[1])
+        if source is not None:
+            source = source.to(tensor.device)
         if fmt == MXFP4_EXPERTS:
             if expert is None or tensor.dim() != 2:
                 raise ValueError(f"{name}: expected one expert's [in, out] row of a fused expert weight")
