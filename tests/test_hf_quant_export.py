@@ -348,3 +348,28 @@ def test_export_flags_are_refused_where_the_round_trip_cannot_hold(exported):
     assert export_quantizer(_export_args(dequantized=True), quantized, gpt_oss) is None
     assert export_quantizer(_export_args(), plain, gpt_oss) is None
     assert export_quantizer(_export_args(quant_source=exported["gpt_mxfp4"]), quantized, gpt_oss).source is not None
+
+
+def _cli(args: list) -> "subprocess.CompletedProcess":
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
+    return subprocess.run([sys.executable, "-m", "recipes.hf", *args], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_fp8_import_then_export_gives_the_source_back(exported, tmp_path):
+    """``python -m recipes.hf import`` of the FP8 checkpoint, then ``export --quant-source``: the
+    source bit for bit, the error report and the logit check printed once, both zero (the refusal
+    without a precision flag: test_export_flags_are_refused_where_the_round_trip_cannot_hold)."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    result = _cli(["import", "--hf", exported["ds_fp8"], "--recipe", "deepseek-v3-tiny", "--out", ckpt])
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = _cli(["export", "--load", ckpt, "--out", out, "--quant-source", exported["ds_fp8"]])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _same_checkpoint(_tensors(exported["ds_fp8"]), _tensors(out))
+    lines = [line for line in result.stdout.splitlines() if "quantization error" in line]
+    assert len(lines) == 5 and all("max abs 0.000e+00, relative 0.000e+00" in line for line in lines), result.stdout
+    assert result.stdout.count("logit difference, exported vs as trained") == 1
+    assert "max abs 0.000e+00, relative 0.000e+00, top-1 agreement 1.0000" in result.stdout
