@@ -25,7 +25,7 @@ Import (:func:`import_hf_checkpoint`) is per rank and streaming: every rank read
 of the parameters it holds, expert rows included, and narrows tensor-parallel parameters to its
 partition. Export (:func:`export_hf_checkpoint`) gathers tensor-parallel partitions inside their
 group and sends every tensor from one owning rank to rank 0, layer by layer, which writes bounded
-safetensors shards. Both are collective over the default process group; errors are raised on
+safetensors shards, in the published precision with a :class:`recipes.hf.quant.ExportQuantizer`. Both are collective over the default process group; errors are raised on
 every rank alike (:class:`ConversionError`, one line naming the parameter / tensor / field).
 """
 
