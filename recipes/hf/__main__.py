@@ -9,9 +9,18 @@ Import (HF -> a Megatron checkpoint in recipes/checkpointing.py's layout, iterat
         --recipe gpt-oss-20b --out ckpt [--expert-model-parallel-size 8 --seq-length 4096 ... any finetune.py flag]
 
 Export (a Megatron checkpoint saved by finetune.py or by ``import`` -> HF safetensors + config.json,
-bf16, experts in their original order even if the run used a CAP placement)::
+experts in their original order even if the run used a CAP placement)::
 
-    python -m torch.distributed.run --nproc_per_node 2 -m recipes.hf export --load ckpt --out hf_out
+    python -m torch.distributed.run --nproc_per_node 2 -m recipes.hf export --load ckpt --out hf_out \\
+        [--quant-source /models/gpt-oss-20b | --fresh-scales | --dequantized]
+
+A model imported from a quantized checkpoint (config.json's ``quantization_config``: gpt-oss's MXFP4
+experts, DeepSeek-V3's block FP8) is exported in that precision, with the same tensor names and
+quantization_config: ``--quant-source DIR`` (the checkpoint imported) lends its block scales, so
+every block training left unchanged comes out bit for bit as it went in; ``--fresh-scales``
+computes new scales for every block; ``--dequantized`` writes plain ``--dtype`` weights instead.
+One of them is required for such a model. The export prints the quantization error per tensor
+group and its peak memory per rank.
 
 The model sizes come from the config.json recorded in the checkpoint (runs started from
 ``--hf-checkpoint`` or ``import``), from ``--hf-config``, or from the recipe. Any TP/PP/EP layout
@@ -57,6 +66,17 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--expert-model-parallel-size", type=int, default=None, help="default: world / (TP x PP)")
     exp.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the written tensors")
     exp.add_argument("--max-shard-size-gib", type=float, default=5.0)
+    precision = exp.add_mutually_exclusive_group()
+    precision.add_argument("--quant-source", default=None, metavar="DIR",
+                           help="the quantized Hugging Face checkpoint the model was imported from: export in its "
+                                "precision, reusing its block scales (unchanged blocks are bit-identical)")
+    precision.add_argument("--fresh-scales", action="store_true",
+                           help="export in the source's precision (quantization_config) with new scales for every block")
+    precision.add_argument("--dequantized", action="store_true",
+                           help="write plain --dtype weights even if the source checkpoint was quantized")
+    exp.add_argument("--skip-logit-check", action="store_true",
+                     help="with a quantized export, skip comparing the logits on a fixed prompt set before and after "
+                          "quantization (PP = 1 only)")
     return parser
 
 
@@ -135,15 +155,80 @@ def _read_hf_config(path: str) -> dict:
         raise ValueError(f"--hf-config {path}: cannot read {file} ({err})") from None
 
 
-def exported_config(source: Optional[dict], generated: dict) -> dict:
+def exported_config(source: Optional[dict], generated: dict, quantized: bool = False) -> dict:
     """The config.json an export writes: the source checkpoint's (recorded by ``import`` or
     ``--hf-checkpoint``, or ``--hf-config``) field for field, since training changes no field of it
     and only the source knows its conventions (``rope_interleave``, ``initializer_range``, the rope
-    field form, ...), less ``quantization_config`` (the export writes plain weights); without a
-    source config, the one the recipe describes."""
+    field form, ...), less ``quantization_config`` unless the export is ``quantized`` (in the
+    source's precision); without a source config, the one the recipe describes."""
     if not source:
         return dict(generated)
-    return {k: v for k, v in source.items() if k != "quantization_config"}
+    return {k: v for k, v in source.items() if quantized or k != "quantization_config"}
+
+
+def export_quantizer(args: argparse.Namespace, hf_config: Optional[dict], family,
+                     device: Optional[torch.device] = None):
+    """The :class:`recipes.hf.quant.ExportQuantizer` (quantizing on ``device``) for an export in
+    the source's precision, or None for plain weights; ValueError (one line naming the flag) where
+    the flags and the checkpoint disagree."""
+    from recipes.hf.checkpoint import HFCheckpoint
+    from recipes.hf.quant import ExportQuantizer
+
+    quant = (hf_config or {}).get("quantization_config")
+    if not quant:
+        if args.quant_source or args.fresh_scales:
+            raise ValueError(f"--{'quant-source' if args.quant_source else 'fresh-scales'}: the checkpoint's "
+                             "config.json has no quantization_config (it was not imported from a quantized checkpoint)")
+        return None
+    if args.dequantized:
+        return None
+    method = quant.get("quant_method")
+    rules = getattr(family, "QUANTIZED_HF", None)
+    if not rules:
+        raise ValueError(f"config.json: quantization_config.quant_method = {method!r} has no export in "
+                         f"{family.__name__}; pass --dequantized")
+    if not (args.quant_source or args.fresh_scales):
+        raise ValueError(f"the model was imported from a {method} checkpoint: pass --quant-source DIR (that checkpoint: "
+                         "unchanged blocks keep its bits), --fresh-scales (new scales) or --dequantized (plain weights)")
+    source = None
+    if args.quant_source:
+        source = HFCheckpoint(args.quant_source)
+        source_method = (source.config.get("quantization_config") or {}).get("quant_method")
+        if source_method != method:
+            raise ValueError(f"--quant-source {args.quant_source}: its quantization_config.quant_method is "
+                             f"{source_method!r}, the model's {method!r}; give the checkpoint the model was imported from")
+    return ExportQuantizer(rules, hf_config, source, device=device)
+
+
+LOGIT_CHECK_PROMPTS = (4, 64)  # the fixed prompt set of the export's logit check: sequences x tokens
+LOGIT_CHECK_SEED = 0
+
+
+def quantization_logits(model, family, hf_config: dict, quantizer, device: torch.device,
+                        dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """Logits ``(as trained, as exported)`` of the model on the fixed prompt set (seeded random
+    token ids, ``LOGIT_CHECK_PROMPTS``): the second with every weight replaced by what the
+    checkpoint exported with ``quantizer`` and ``dtype`` loads, in place (call it after the
+    export). Collective; PP = 1."""
+    from recipes.hf.convert import quantize_parameters_in_place
+    from recipes.logits import lm_logits
+
+    gen = torch.Generator().manual_seed(LOGIT_CHECK_SEED)
+    ids = torch.randint(0, int(hf_config["vocab_size"]), LOGIT_CHECK_PROMPTS, generator=gen).to(device)
+    model.eval()
+    with torch.no_grad():
+        trained = lm_logits(model, ids).float()
+        quantize_parameters_in_place([model], family, hf_config, quantizer, dtype)
+        exported = lm_logits(model, ids).float()
+    return trained, exported
+
+
+def logit_difference_line(trained: torch.Tensor, exported: torch.Tensor) -> str:
+    diff = (exported - trained).abs()
+    agree = float((exported.argmax(-1) == trained.argmax(-1)).float().mean())
+    return (f"logit difference, exported vs as trained ({LOGIT_CHECK_PROMPTS[0]} fixed prompts x "
+            f"{LOGIT_CHECK_PROMPTS[1]} tokens): max abs {float(diff.max()):.3e}, relative "
+            f"{float(diff.max() / trained.abs().max()):.3e}, top-1 agreement {agree:.4f}")
 
 
 def run_export(args: argparse.Namespace) -> str:
@@ -155,6 +240,7 @@ def run_export(args: argparse.Namespace) -> str:
     from megatron_llep.placement import read_checkpoint_placement
     from recipes import checkpointing, finetune
     from recipes.hf.convert import ConversionError, export_hf_checkpoint, family_module
+    from recipes.hf.quant import error_report
 
     rank, world, device = finetune.init_distributed()
     try:
@@ -173,6 +259,7 @@ def run_export(args: argparse.Namespace) -> str:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         recipe = finetune.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
                                       cpu=device.type == "cpu")
+        quantizer = export_quantizer(args, hf_config, family, device=device if device.type == "cuda" else None)
     except (ValueError, checkpointing.CheckpointError) as err:
         _fail(str(err))
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
@@ -186,16 +273,30 @@ def run_export(args: argparse.Namespace) -> str:
     loaded = dist_checkpointing.load(state, directory)
     model.load_state_dict(loaded["model"])
     placement = read_checkpoint_placement(directory)
-    config_json = exported_config(hf_config, family.hf_config_from_recipe(recipe))
-    _log(f"exporting {directory} ({recipe.name}{', CAP placement undone' if placement else ''}) to {args.out}")
+    config_json = exported_config(hf_config, family.hf_config_from_recipe(recipe), quantized=quantizer is not None)
+    export_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    precision = f"{hf_config['quantization_config'].get('quant_method')}, " if quantizer is not None else ""
+    _log(f"exporting {directory} ({recipe.name}, {precision}{args.dtype}"
+         f"{', CAP placement undone' if placement else ''}) to {args.out}")
     try:
         report = export_hf_checkpoint([model], recipe_name, args.out, config_json,
-                                      dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32,
-                                      placement=placement, max_shard_bytes=int(args.max_shard_size_gib * 2**30))
+                                      dtype=export_dtype, placement=placement, max_shard_bytes=int(args.max_shard_size_gib * 2**30),
+                                      quantizer=quantizer)
     except ConversionError as err:
         _fail(str(err))
+    for line in error_report(report.quantization):
+        _log(line)
+    if quantizer is not None and not args.skip_logit_check:
+        if pp > 1:
+            _log("logit check skipped: it runs at --pipeline-model-parallel-size 1")
+        else:
+            try:
+                _log(logit_difference_line(*quantization_logits(model, recipe_name, config_json, quantizer, device,
+                                                                dtype=export_dtype)))
+            except ConversionError as err:
+                _fail(str(err))
     _log(f"wrote {report.tensors} tensors, {report.bytes_written / 2**20:.1f} MiB in {len(report.files)} shard(s) "
-         f"to {args.out} in {report.seconds:.1f} s")
+         f"to {args.out} in {report.seconds:.1f} s; peak RSS +{report.peak_overhead / 2**20:.0f} MiB on rank 0")
     parallel_state.destroy_model_parallel()
     dist.barrier()
     return args.out

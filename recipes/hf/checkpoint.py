@@ -230,12 +230,13 @@ class HFCheckpointWriter:
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> None:
-        """Queue ``tensor`` as ``name``, cast to ``dtype`` (default: the writer's)."""
+        """Queue ``tensor`` as ``name``, cast to ``dtype`` (default: the writer's); float8 tensors
+        (quantized weights) and integer ones are written as they are."""
         if name in self._pending or any(name in names for _, names in self._written):
             raise HFCheckpointError(f"{name}: written twice")
         tensor = tensor.detach().to("cpu")
         dtype = dtype or self.dtype
-        if dtype is not None and tensor.is_floating_point():
+        if dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1:  # float8: quantized, kept
             tensor = tensor.to(dtype)
         tensor = tensor.contiguous()
         size = tensor.numel() * tensor.element_size()

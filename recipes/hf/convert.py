@@ -26,7 +26,8 @@ of the parameters it holds, expert rows included, and narrows tensor-parallel pa
 partition; where a transform is ``row_local`` (the vocabulary-parallel embedding and output layer),
 it reads only its partition's rows. Export (:func:`export_hf_checkpoint`) gathers tensor-parallel
 partitions inside their group and sends every tensor from one owning rank to rank 0, layer by
-layer, which writes bounded safetensors shards. Both are collective over the default process group; errors are raised on
+layer, which writes bounded safetensors shards, in the published precision with a
+:class:`recipes.hf.quant.ExportQuantizer`. Both are collective over the default process group; errors are raised on
 every rank alike (:class:`ConversionError`, one line naming the parameter / tensor / field).
 """
 
@@ -631,10 +632,38 @@ def _own_rows(entry: Entry, transform: Transform, rule: _CompiledRule, names: tu
 
 @dataclass
 class ExportReport:
+    """Numbers of one export (``tensors`` .. ``files``: rank 0's writing; memory: this rank's)."""
+
     tensors: int = 0
     bytes_written: int = 0
     files: list = field(default_factory=list)
     seconds: float = 0.0
+    rss_before: int = 0  # RSS when the export started (bytes)
+    peak_rss: int = 0  # peak RSS during the export (VmHWM after a reset; 0 if unknown)
+    peak_reset: bool = False
+    quantization: dict = field(default_factory=dict)  # rank 0: tensor group -> recipes.hf.quant.QuantStats
+
+    @property
+    def peak_overhead(self) -> int:
+        """Peak RSS above the RSS at the start: what the export itself needed on this rank."""
+        return max(0, self.peak_rss - self.rss_before)
+
+
+def _write_hf_tensor(writer: HFCheckpointWriter, fam: _Family, hf_name: str, tensor: torch.Tensor,
+                     quantizer) -> tuple[int, Optional[str]]:
+    """Queue one HF tensor, in the published precision where ``quantizer`` (an
+    :class:`recipes.hf.quant.ExportQuantizer`) stores it quantized; returns the number of tensors
+    written and the error (rank 0 only gets here: the caller makes every rank raise it)."""
+    try:
+        encoded = quantizer.encode(hf_name, tensor) if quantizer is not None else None
+    except ValueError as err:
+        return 0, f"{hf_name}: {err}"
+    if encoded is None:
+        writer.add(hf_name, tensor, dtype=torch.float32 if fam.keep_fp32(hf_name) else None)
+        return 1, None
+    for name, part in encoded.items():
+        writer.add(name, part, dtype=torch.float32 if part.dtype == torch.float32 else None)
+    return len(encoded), None
 
 
 def _comm_device() -> torch.device:
@@ -672,7 +701,8 @@ def _router_rows_in_original_order(entry: Entry, tensor: torch.Tensor, placement
 
 
 def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dtype: Optional[torch.dtype] = torch.bfloat16,
-                         placement=None, *, max_shard_bytes: int = 5 * 2**30, verbose: bool = True) -> ExportReport:
+                         placement=None, *, max_shard_bytes: int = 5 * 2**30, verbose: bool = True,
+                         quantizer=None) -> ExportReport:
     """Write the model as a Hugging Face checkpoint under ``out_dir`` (rank 0 writes; collective).
 
     Tensor-parallel partitions are gathered in their group, every tensor goes from its lowest
@@ -680,9 +710,14 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
     expert tensors stacked in expert order) and writes ``dtype`` shards of at most
     ``max_shard_bytes``, the index and ``hf_config`` as ``config.json`` (tensors the family lists in
     ``KEEP_FP32_HF`` stay float32). With ``placement`` (the CAP placement the model is in), experts
-    and router rows are written in the original order."""
+    and router rows are written in the original order. With ``quantizer`` (an
+    :class:`recipes.hf.quant.ExportQuantizer`, used on rank 0) the tensors it names are written in
+    the published precision instead. Peak memory: rank 0 holds one output group (a layer's fused
+    experts at most) and the pending shard; the report measures it per rank, as the import does."""
     fam = _Family(family)
     chunks = _as_chunks(model_chunks)
+    report = ExportReport(rss_before=_proc_status().get("VmRSS", 0))
+    report.peak_reset = _reset_peak_rss()
     start = time.perf_counter()
     rank, world = _rank(), _world()
     error = None
@@ -737,12 +772,12 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
 
     writer = HFCheckpointWriter(out_dir, config=hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes) if rank == 0 else None
     device = _comm_device()
-    report = ExportReport()
     last_layer = None
     error = None
     with torch.no_grad():
         for key, names in units.items():
             pieces: dict[str, dict[str, torch.Tensor]] = {}
+            stacked: dict[str, torch.Tensor] = {}  # fused experts: each expert's row goes straight into place
             for name in names:
                 tensor = None
                 if name in local:  # TP gather on every holder (collective inside the TP group)
@@ -761,6 +796,11 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
                     try:
                         pieces[name] = {k: v.detach().cpu() for k, v in
                                         TRANSFORMS[rule.transform_name].to_hf(tensor, ctx).items()}
+                        expert = groups.get("expert", -1)
+                        if rule.rule.fused_experts and 0 <= expert < len(names):
+                            for hf_name, row in pieces[name].items():
+                                stacked.setdefault(hf_name, row.new_empty((len(names), *row.shape)))[expert] = row
+                            pieces[name] = dict.fromkeys(pieces[name])  # the names only: no second copy
                     except (ConversionError, ValueError, RuntimeError) as err:
                         error = error or f"{name}: {err}"
                 elif rank == src:
@@ -774,13 +814,12 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
                         error = f"{names[0]}: experts {experts} do not cover 0..{len(experts) - 1}"
                     else:
                         for hf_name in pieces[ordered[0]]:
-                            writer.add(hf_name, torch.stack([pieces[n][hf_name] for n in ordered]),
-                                       dtype=torch.float32 if fam.keep_fp32(hf_name) else None)
-                            report.tensors += 1
+                            written, failure = _write_hf_tensor(writer, fam, hf_name, stacked.pop(hf_name), quantizer)
+                            report.tensors, error = report.tensors + written, error or failure
                 else:
                     for hf_name, tensor in pieces[names[0]].items():
-                        writer.add(hf_name, tensor, dtype=torch.float32 if fam.keep_fp32(hf_name) else None)
-                        report.tensors += 1
+                        written, failure = _write_hf_tensor(writer, fam, hf_name, tensor, quantizer)
+                        report.tensors, error = report.tensors + written, error or failure
                 layer = dict(key[1]).get("layer")
                 if layer is not None and layer != last_layer:
                     _log(f"layer {layer} exported", verbose)
@@ -788,8 +827,68 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
     if rank == 0 and error is None:
         report.files = writer.close()
         report.bytes_written = writer.total_bytes
+        if quantizer is not None:
+            report.quantization = dict(quantizer.stats)
     _agree(error)
     if world > 1:
         dist.barrier()
+    report.peak_rss = _proc_status().get("VmHWM", 0)
     report.seconds = time.perf_counter() - start
     return report
+
+
+class _HFTensors:
+    """HF tensors held in memory, read the way :class:`Reader` reads an :class:`HFCheckpoint`
+    (a fused-expert tensor is already the expert's row)."""
+
+    directory = "(quantized in memory)"
+
+    def __init__(self, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        self.tensors, self.config = tensors, config
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get_rows(self, name: str, index) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def quantize_parameters_in_place(model_chunks, family, hf_config: dict, quantizer,
+                                 dtype: Optional[torch.dtype] = torch.bfloat16) -> int:
+    """Replace every parameter with what the checkpoint :func:`export_hf_checkpoint` writes with
+    ``quantizer`` (an :class:`recipes.hf.quant.ExportQuantizer`) and ``dtype`` loads: through the
+    family's ``to_hf``, :meth:`~recipes.hf.quant.ExportQuantizer.round_trip` (plain tensors: cast
+    to ``dtype`` unless kept in float32), and back through ``to_megatron``, so the model then
+    computes what the exported checkpoint computes (the export's logit check). Collective inside
+    tensor-parallel groups; returns the parameters that hold quantized weights."""
+    fam = _Family(family)
+    changed = 0
+    error = None
+    with torch.no_grad():
+        for chunk in _as_chunks(model_chunks):
+            config = getattr(_strip_wrappers(chunk), "config", None)
+            for entry in canonical_entries(chunk):
+                found = fam.find(entry.canonical)
+                if found is None:
+                    continue
+                rule, groups = found
+                names = fam.hf_names(rule, groups, hf_config)
+                full = _gather_tp(entry)
+                ctx = Context(config=config, hf_config=hf_config, dtype=full.dtype, megatron_name=entry.canonical,
+                              hf_names=names, groups=groups, device=full.device)
+                expert = groups.get("expert") if rule.rule.fused_experts else None
+                try:
+                    tensors = TRANSFORMS[rule.transform_name].to_hf(full, ctx)
+                    loaded = {n: quantizer.round_trip(n, t, expert) for n, t in tensors.items()}
+                    changed += any(v is not None for v in loaded.values())
+                    tensors = {n: loaded[n].to(t.device) if loaded[n] is not None else
+                               t if dtype is None or fam.keep_fp32(n) else t.to(dtype) for n, t in tensors.items()}
+                    _import_one(entry, config, rule, groups, fam, _HFTensors(tensors, hf_config))
+                except (ConversionError, ValueError) as err:
+                    error = error or f"{entry.canonical}: {err}"
+    _agree(error)
+    return changed
+

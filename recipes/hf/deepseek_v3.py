@@ -25,7 +25,8 @@ Hugging Face layout (the released ``deepseek-ai/DeepSeek-V3`` and transformers'
   (shared in Megatron): ignored on import, written again on export.
 * FP8: a weight stored as float8 e4m3 with a ``weight_scale_inv`` beside it (the release: 128 x 128
   blocks, ``quantization_config.weight_block_size``) is dequantized on import
-  (``recipes.hf.quant.dequantize_fp8_blockwise``); export writes plain (bf16) weights.
+  (``recipes.hf.quant.dequantize_fp8_blockwise``); export writes them back as FP8 (``QUANTIZED_HF``)
+  when the source checkpoint was quantized, plain bf16 on request.
 
 :func:`recipe_from_hf_config` builds the Megatron recipe from a ``config.json`` and
 :func:`hf_config_from_recipe` writes one for a recipe. Everything Megatron-Core cannot reproduce
@@ -106,6 +107,19 @@ PLACEHOLDERS = {"mtp_layer": lambda groups, hf_config: int(hf_config["num_hidden
 # HF tensors no Megatron parameter reads: the MTP layers' copies of the embedding and output layer
 IGNORE_HF = (r"^model\.layers\.\d+\.embed_tokens\.weight$", r"^model\.layers\.\d+\.shared_head\.head\.weight$",
              r"\.rotary_emb\.inv_freq$")
+
+# the release's precision, for export (recipes.hf.quant.ExportQuantizer): (HF name regex, format,
+# error-report group). Every linear weight of a layer (attention, dense MLP, experts, shared
+# experts, the MTP layer's eh_proj) is e4m3 in blocks of quantization_config.weight_block_size with
+# a float32 ``weight_scale_inv``; embeddings, norms, the router and lm_head stay bf16/fp32.
+QUANTIZED_HF: tuple[tuple[str, str, str], ...] = (
+    (r"\.self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight$", "fp8_block",
+     "attention"),
+    (r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$", "fp8_block", "dense mlp"),
+    (r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", "fp8_block", "routed experts"),
+    (r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$", "fp8_block", "shared experts"),
+    (r"\.eh_proj\.weight$", "fp8_block", "mtp eh_proj"),
+)
 
 # HF tensors the release keeps in float32 whatever the checkpoint dtype (transformers'
 # _keep_in_fp32_modules_strict): the selection bias must not be rounded to bf16 on export

@@ -11,6 +11,9 @@ Hugging Face layout (what ``save_pretrained`` writes; the release stores the exp
 - ``self_attn.sinks`` ``[heads]`` = Megatron's learnable ``softmax_offset``; q/k/v/o with biases;
   ``mlp.router`` weight and bias.
 
+Export writes the experts back as MXFP4 (``QUANTIZED_HF``, :class:`recipes.hf.quant.ExportQuantizer`)
+when the source checkpoint was quantized, bf16 on request.
+
 The mapping agrees with Megatron-Bridge's ``GPTOSSBridge`` (src/megatron/bridge/models/gpt_oss/
 gpt_oss_bridge.py: the same HF <-> Megatron names, gate/up de-interleaving, transposed down_proj);
 it was checked here independently against transformers' forward (tests/test_hf_gpt_oss.py).
@@ -56,6 +59,14 @@ MAPPING = [
 ]
 
 IGNORE_HF: tuple[str, ...] = ()
+
+# the release's precision, for export (recipes.hf.quant.ExportQuantizer): (HF name regex, format,
+# error-report group). The release stores both fused expert weights as MXFP4 of their [E, out, in]
+# transpose (``*_blocks`` / ``*_scales``); everything else is bf16.
+QUANTIZED_HF: tuple[tuple[str, str, str], ...] = (
+    (r"\.mlp\.experts\.gate_up_proj$", "mxfp4_experts", "experts gate_up_proj (fc1)"),
+    (r"\.mlp\.experts\.down_proj$", "mxfp4_experts", "experts down_proj (fc2)"),
+)
 
 
 # ---------------------------------------------------------------------------------------------

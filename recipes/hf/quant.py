@@ -16,12 +16,28 @@ tensors here. Pure torch (no triton, no GPU needed), and bit for bit what transf
 
 Both work in row chunks so that the peak memory is the output plus one small chunk, not several
 copies of a full (gpt-oss-120b or DeepSeek-V3 sized) weight.
+
+Export goes the other way (:func:`quantize_mxfp4`, :func:`quantize_fp8_blockwise`,
+:class:`ExportQuantizer`). A block's scale is not determined by its values (MXFP4: any smaller
+power of two that still holds the block's values; FP8: ``fp8 * scale_inv`` is rounded in float32,
+so a recomputed ``amax / 448`` is not the stored scale), so no quantizer run on the imported
+values can promise the source's bits. What is exact by construction: given the source's scale of
+a block, the codes are unique (distinct codes dequantize to distinct values, in bf16 as in
+float32: E2M1 values times a power of two are exact in both; two e4m3 neighbours differ by at
+least 1/16 relative, far above bf16's 2**-9 rounding), so the export reuses a block's source
+scale whenever the codes it yields dequantize back to exactly the held values (checked bit for
+bit, in the held dtype or, for values held in float32, in bf16), and computes a fresh scale
+(MXFP4: the smallest power of two with amax / scale <= 6, codes rounded to nearest even; FP8:
+DeepSeek's amax / 448) for every other block. A checkpoint imported in bf16 or float32 and
+exported untrained is therefore the source bit for bit; fp16 would not hold every block's values.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -31,6 +47,11 @@ __all__ = [
     "dequantize_mxfp4",
     "gpt_oss_expert_weight_from_mxfp4",
     "dequantize_fp8_blockwise",
+    "quantize_mxfp4",
+    "quantize_fp8_blockwise",
+    "QuantStats",
+    "ExportQuantizer",
+    "error_report",
 ]
 
 # E2M1 code -> value; index = the 4-bit code (bit 3 = sign). Same table as transformers' FP4_VALUES.
@@ -141,6 +162,16 @@ def gpt_oss_expert_weight_from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def _fp8_block_size(block_size: Sequence[int]) -> tuple[int, int]:
+    try:
+        bm, bn = (int(b) for b in block_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}") from None
+    if bm < 1 or bn < 1:
+        raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}")
+    return bm, bn
+
+
 def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor,
                              block_size: Sequence[int] = (128, 128), dtype: torch.dtype = torch.float32, *,
                              rows_per_chunk: int = _FP8_ROWS_PER_CHUNK) -> torch.Tensor:
@@ -160,12 +191,7 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor,
     if weight.dtype != torch.float8_e4m3fn or weight.dim() < 2:
         raise ValueError(f"FP8 weight must be torch.float8_e4m3fn of shape [..., rows, cols], "
                          f"got {weight.dtype} {tuple(weight.shape)}")
-    try:
-        bm, bn = (int(b) for b in block_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}") from None
-    if bm < 1 or bn < 1:
-        raise ValueError(f"block_size must be two positive ints (rows, cols), got {block_size!r}")
+    bm, bn = _fp8_block_size(block_size)
     *lead, rows, cols = weight.shape
     row_blocks, col_blocks = -(-rows // bm), -(-cols // bn)
     expected = (*lead, row_blocks, col_blocks)
@@ -195,3 +221,282 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor,
             scale = scale.repeat_interleave(bm, dim=0)[: r1 - r0].repeat_interleave(bn, dim=1)[:, :cols]
             o3[i, r0:r1] = w3[i, r0:r1].to(torch.float32) * scale
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization (export)
+# ---------------------------------------------------------------------------------------------
+
+FP8_E4M3_MAX = 448.0
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive E2M1 magnitudes
+
+
+@dataclass
+class QuantStats:
+    """Quantization error of some tensors: blocks, blocks whose source scale was reused, the
+    largest absolute error and the sums of squares of the errors and of the values."""
+
+    blocks: int = 0
+    reused: int = 0
+    max_abs: float = 0.0
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+
+    def add(self, values: torch.Tensor, dequantized: torch.Tensor, blocks: int, reused: int) -> None:
+        err = (dequantized.double() - values.double())
+        self.blocks += blocks
+        self.reused += reused
+        if err.numel():
+            self.max_abs = max(self.max_abs, float(err.abs().max()))
+        self.err_sq += float(err.square().sum())
+        self.ref_sq += float(values.double().square().sum())
+
+    def merge(self, other: "QuantStats") -> None:
+        self.blocks += other.blocks
+        self.reused += other.reused
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.err_sq += other.err_sq
+        self.ref_sq += other.ref_sq
+
+    @property
+    def relative(self) -> float:
+        """||dequantized - values|| / ||values|| (0 for all-zero values)."""
+        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq else math.sqrt(self.err_sq)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, so that equality also tells -0.0 from +0.0."""
+    return t.contiguous().view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
+def _held_exactly(dequantized_fp32: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per element: does the float32 dequantization, rounded to ``values``' dtype (or, for float32
+    values, through bf16: a model imported in bf16, loaded in float32), give ``values`` bit for bit?"""
+    same = _bits(dequantized_fp32.to(values.dtype)) == _bits(values)
+    if values.dtype == torch.float32:
+        same |= _bits(dequantized_fp32.to(torch.bfloat16).to(torch.float32)) == _bits(values)
+    return same
+
+
+def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """float32 values (already divided by the block scale) -> 4-bit E2M1 codes: nearest magnitude,
+    ties to the even code, saturating at 6; the sign bit from the float's sign (-0.0 -> code 8)."""
+    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=scaled.dtype, device=scaled.device)
+    mag = scaled.abs().contiguous()
+    below = torch.searchsorted(mid, mag, right=False)
+    upto = torch.searchsorted(mid, mag, right=True)
+    code = torch.where((below != upto) & (below % 2 == 1), upto, below)
+    return (code | (torch.signbit(scaled).to(code.dtype) << 3)).to(torch.uint8)
+
+
+def _fresh_e8m0(amax: torch.Tensor) -> torch.Tensor:
+    """The exponent e of the smallest power of two with amax / 2**e <= 6 (integer arithmetic on
+    frexp: amax = m * 2**k, m in [0.5, 1): e = k - 3 if m <= 0.75 else k - 2); zero blocks get
+    2**-127. Returned as the E8M0 byte e + 127."""
+    mantissa, exponent = torch.frexp(amax)
+    e = exponent.to(torch.int32) - 3 + (mantissa > 0.75).to(torch.int32)
+    e = torch.where(amax > 0, e, torch.full_like(e, -_E8M0_BIAS))
+    return (e.clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS).to(torch.uint8)
+
+
+def quantize_mxfp4(values: torch.Tensor, source_scales: Optional[torch.Tensor] = None, *,
+                   stats: Optional[QuantStats] = None,
+                   rows_per_chunk: int = _MXFP4_ROWS_PER_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` [..., N] (N % 32 == 0) -> MXFP4 ``(blocks [..., N/32, 16] uint8, scales [..., N/32]
+    uint8)``, the layout :func:`dequantize_mxfp4` reads. With ``source_scales`` (the scales of the
+    checkpoint the values were imported from) a block keeps its source scale while the codes under
+    it dequantize to exactly its values (module docstring: then they are the source's codes), and
+    gets a fresh scale otherwise. ``stats`` accumulates the error. Works ``rows_per_chunk`` blocks
+    at a time, so peak memory is the output plus one chunk."""
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.dim() < 1 \
+            or values.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 quantization needs floating-point values of shape [..., N] with N % {MXFP4_BLOCK} "
+                         f"== 0, got {getattr(values, 'dtype', type(values))} {tuple(getattr(values, 'shape', ()))}")
+    *lead, n = values.shape
+    groups = n // MXFP4_BLOCK
+    if source_scales is not None:
+        source_scales = _e8m0_as_uint8(source_scales)
+        if source_scales.dtype != torch.uint8 or tuple(source_scales.shape) != (*lead, groups):
+            raise ValueError(f"source MXFP4 scales must be uint8 of shape {(*lead, groups)} for values "
+                             f"{tuple(values.shape)}, got {source_scales.dtype} {tuple(source_scales.shape)}")
+    rows_total = math.prod(lead) * groups
+    flat = values.reshape(rows_total, MXFP4_BLOCK)
+    blocks = torch.empty(rows_total, _MXFP4_BYTES, dtype=torch.uint8, device=values.device)
+    scales = torch.empty(rows_total, dtype=torch.uint8, device=values.device)
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=values.device)
+    for r0 in range(0, rows_total, rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, rows_total)
+        x = flat[r0:r1]
+        x32 = x.to(torch.float32)
+        scale = _fresh_e8m0(x32.abs().amax(dim=1))
+        codes = _e2m1_codes(torch.ldexp(x32, -(scale.to(torch.int32)[:, None] - _E8M0_BIAS)))
+        reused = 0
+        if source_scales is not None:
+            source = source_scales.reshape(rows_total)[r0:r1]
+            exponent = source.to(torch.int32)[:, None] - _E8M0_BIAS
+            source_codes = _e2m1_codes(torch.ldexp(x32, -exponent))
+            keep = _held_exactly(torch.ldexp(lut[source_codes.to(torch.int)], exponent), x).all(dim=1)
+            scale = torch.where(keep, source, scale)
+            codes = torch.where(keep[:, None], source_codes, codes)
+            reused = int(keep.sum())
+        blocks[r0:r1] = codes[:, 0::2] | (codes[:, 1::2] << 4)  # low nibble = the earlier value
+        scales[r0:r1] = scale
+        if stats is not None:
+            dequantized = torch.ldexp(lut[codes.to(torch.int)], scale.to(torch.int32)[:, None] - _E8M0_BIAS)
+            stats.add(x32, dequantized, r1 - r0, reused)
+    return blocks.view(*lead, groups, _MXFP4_BYTES), scales.view(*lead, groups)
+
+
+def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (128, 128),
+                           source_scale_inv: Optional[torch.Tensor] = None, *,
+                           stats: Optional[QuantStats] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [rows, cols] -> ``(float8_e4m3fn [rows, cols], float32 scale_inv [ceil(rows/bm),
+    ceil(cols/bn)])``, the layout :func:`dequantize_fp8_blockwise` reads. A fresh block scale is
+    DeepSeek's ``amax / 448`` (codes ``weight / scale`` rounded to nearest, clamped to +-448; an
+    all-zero block gets 1.0); with ``source_scale_inv`` a block keeps its source scale while the
+    codes under it dequantize to exactly its values. Works one row of blocks at a time."""
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
+        raise ValueError(f"FP8 quantization needs a floating-point [rows, cols] weight, got "
+                         f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    bm, bn = _fp8_block_size(block_size)
+    rows, cols = weight.shape
+    row_blocks, col_blocks = -(-rows // bm), -(-cols // bn)
+    if source_scale_inv is not None and (not source_scale_inv.is_floating_point()
+                                         or tuple(source_scale_inv.shape) != (row_blocks, col_blocks)):
+        raise ValueError(f"source scale_inv must be float of shape {(row_blocks, col_blocks)} for weight "
+                         f"{tuple(weight.shape)} and blocks {(bm, bn)}, got {source_scale_inv.dtype} "
+                         f"{tuple(source_scale_inv.shape)}")
+    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=weight.device)
+    scale_inv = torch.empty(row_blocks, col_blocks, dtype=torch.float32, device=weight.device)
+    padded_cols = col_blocks * bn
+
+    def encode(x32: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (x32 / scale[None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+    for rb in range(row_blocks):
+        r0, r1 = rb * bm, min(rb * bm + bm, rows)
+        x = weight[r0:r1]
+        x32 = torch.zeros(r1 - r0, padded_cols, dtype=torch.float32, device=weight.device)
+        x32[:, :cols] = x
+        x32 = x32.view(r1 - r0, col_blocks, bn)
+        amax = x32.abs().amax(dim=(0, 2))
+        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+        codes = encode(x32, scale)
+        reused = 0
+        if source_scale_inv is not None:
+            source = source_scale_inv[rb].to(torch.float32)
+            source_codes = encode(x32, source)
+            back = (source_codes.to(torch.float32) * source[None, :, None]).view(r1 - r0, padded_cols)[:, :cols]
+            held = torch.ones(r1 - r0, padded_cols, dtype=torch.bool, device=weight.device)
+            held[:, :cols] = _held_exactly(back, x)
+            keep = held.view(r1 - r0, col_blocks, bn).all(dim=2).all(dim=0)
+            scale = torch.where(keep, source, scale)
+            codes = torch.where(keep[None, :, None], source_codes.view(torch.uint8),
+                                codes.view(torch.uint8)).view(torch.float8_e4m3fn)
+            reused = int(keep.sum())
+        out[r0:r1] = codes.view(r1 - r0, padded_cols)[:, :cols]
+        scale_inv[rb] = scale
+        if stats is not None:
+            dequantized = (codes.to(torch.float32) * scale[None, :, None]).view(r1 - r0, padded_cols)[:, :cols]
+            stats.add(x32.view(r1 - r0, padded_cols)[:, :cols], dequantized, col_blocks, reused)
+    return out, scale_inv
+
+
+MXFP4_EXPERTS = "mxfp4_experts"  # a fused [E, in, out] expert weight stored as MXFP4 of its [E, out, in] transpose
+FP8_BLOCK = "fp8_block"  # a [rows, cols] weight stored as e4m3 + float32 ``weight_scale_inv`` per block
+FORMATS = (MXFP4_EXPERTS, FP8_BLOCK)
+
+
+class ExportQuantizer:
+    """The published precision on export: which HF tensors are stored quantized, and how.
+
+    ``rules`` is a family's ``QUANTIZED_HF`` data: ``(regex over HF names, format, report group)``.
+    With ``source`` (an :class:`~recipes.hf.checkpoint.HFCheckpoint` of the quantized checkpoint
+    the model was imported from) the source decides which tensors are quantized (those stored so
+    there) and lends its block scales (see the module docstring); without it every matching tensor
+    is quantized with fresh scales. ``stats`` holds the error per report group. ``device``: where
+    to quantize (e.g. rank 0's GPU: the export holds its tensors on the CPU), one expert or one
+    weight at a time; the results come back to the CPU."""
+
+    def __init__(self, rules: Sequence[tuple[str, str, str]], hf_config: dict, source=None,
+                 device: Optional[torch.device] = None) -> None:
+        self.rules = [(re.compile(pattern), fmt, group) for pattern, fmt, group in rules]
+        for _, fmt, _ in self.rules:
+            if fmt not in FORMATS:
+                raise ValueError(f"QUANTIZED_HF format {fmt!r} is not one of {', '.join(FORMATS)}")
+        quant = hf_config.get("quantization_config") or {}
+        self.block_size = tuple(int(b) for b in (quant.get("weight_block_size") or (128, 128)))
+        self.source = source
+        self.device = device
+        self.stats: dict[str, QuantStats] = {}
+
+    def _rule(self, name: str) -> Optional[tuple[str, str]]:
+        return next(((fmt, group) for pattern, fmt, group in self.rules if pattern.search(name)), None)
+
+    def _source_tensor(self, name: str) -> Optional[torch.Tensor]:
+        if self.source is None or not self.source.has(name):
+            return None
+        try:
+            return self._on_device(self.source.get(name))
+        finally:
+            self.source.release()  # scales are read once: keep no shard mapped
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.device is None else tensor.to(self.device)
+
+    def _plan(self, name: str) -> Optional[tuple[str, str, tuple[str, str]]]:
+        """(format, report group, stored names) of HF tensor ``name``, or None if it stays plain."""
+        found = self._rule(name)
+        if found is None:
+            return None
+        fmt, group = found
+        stored = (name + "_blocks", name + "_scales") if fmt == MXFP4_EXPERTS else (name, name + "_scale_inv")
+        if self.source is not None and not self.source.has(stored[1]) and self.source.has(name):
+            return None  # plain in the source checkpoint: plain in the export
+        return fmt, group, stored
+
+    def encode(self, name: str, tensor: torch.Tensor) -> Optional[dict[str, torch.Tensor]]:
+        """``{stored name: tensor}`` for HF tensor ``name`` in the published precision, or None
+        where it stays a plain tensor."""
+        plan = self._plan(name)
+        if plan is None:
+            return None
+        fmt, group, stored = plan
+        stats = self.stats.setdefault(group, QuantStats())
+        if fmt == MXFP4_EXPERTS:
+            if tensor.dim() != 3:
+                raise ValueError(f"{name}: expected a fused [experts, in, out] expert weight, got {tuple(tensor.shape)}")
+            source_scales = self._source_tensor(stored[1])
+            parts = [quantize_mxfp4(self._on_device(tensor[e]).t(), None if source_scales is None else source_scales[e],
+                                    stats=stats) for e in range(tensor.shape[0])]
+            return {stored[0]: torch.stack([b.cpu() for b, _ in parts]),
+                    stored[1]: torch.stack([s.cpu() for _, s in parts])}
+        weight, scale_inv = quantize_fp8_blockwise(self._on_device(tensor), self.block_size,
+                                                   self._source_tensor(stored[1]), stats=stats)
+        return {name: weight.cpu(), stored[1]: scale_inv.cpu()}
+
+    def round_trip(self, name: str, tensor: torch.Tensor, expert: Optional[int] = None) -> Optional[torch.Tensor]:
+        """What a checkpoint written by :meth:`encode` loads for ``name`` (float32, same layout),
+        or None where the tensor stays plain; ``expert``: ``tensor`` is that expert's row of a
+        fused ``[E, ...]`` tensor."""
+        plan = self._plan(name)
+        if plan is None:
+            return None
+        fmt, _, stored = plan
+        source = self._source_tensor(stored[1])
+        if source is not None:
+            source = source.to(tensor.device)
+        if fmt == MXFP4_EXPERTS:
+            if expert is None or tensor.dim() != 2:
+                raise ValueError(f"{name}: expected one expert's [in, out] row of a fused expert weight")
+            blocks, scales = quantize_mxfp4(tensor.t(), None if source is None else source[expert])
+            return dequantize_mxfp4(blocks, scales, torch.float32).t()
+        weight, scale_inv = quantize_fp8_blockwise(tensor, self.block_size, source)
+        return dequantize_fp8_blockwise(weight, scale_inv, self.block_size, torch.float32)
+
+
+
+def error_report(stats: dict[str, QuantStats]) -> list[str]:
+    """One line per tensor group: max abs and relative error, blocks that kept their source scale."""
+    return [f"quantization error {group}: max abs {s.max_abs:.3e}, relative {s.relative:.3e} "
+            f"({s.reused}/{s.blocks} blocks kept their source scale)" for group, s in stats.items()]

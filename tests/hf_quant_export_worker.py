@@ -1,0 +1,113 @@
+"""Rank-side code of tests/test_hf_quant_export.py: import a quantized gpt-oss (MXFP4) and
+DeepSeek-V3 (block FP8) checkpoint at EP = 2, export it in the published precision untouched, then
+after a pretend training step (every parameter nudged) in the published precision and in float32.
+Also ``python tests/hf_quant_export_worker.py DIR``: the export's per-rank peak memory on a model
+many shards large (the numbers docs/finetune.md quotes)."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+
+
+def _nudge(model, scale: float) -> None:
+    """A stand-in for training: every parameter moves by ``scale`` x N(0, 1), seeded by its local
+    name (replicated parameters move alike on every rank)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            param.add_(scale * torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype))
+
+
+def _exports(model, family, source_dir: str, out_root: str, prefix: str, recipe_config: dict) -> dict:
+    """Round trip (source scales), fresh scales; after the nudge: published precision and fp32."""
+    from recipes.hf.__main__ import exported_config, quantization_logits
+    from recipes.hf.checkpoint import HFCheckpoint
+    from recipes.hf.convert import export_hf_checkpoint, family_module
+    from recipes.hf.quant import ExportQuantizer
+
+    module = family_module(family)
+    source_config = HFCheckpoint(source_dir).config
+    quantized_config = exported_config(source_config, recipe_config, quantized=True)
+
+    def export(name: str, source, dtype=torch.bfloat16, quantized: bool = True):
+        quantizer = ExportQuantizer(module.QUANTIZED_HF, source_config, source) if quantized else None
+        config = quantized_config if quantized else exported_config(source_config, recipe_config)
+        return export_hf_checkpoint([model], family, os.path.join(out_root, f"{prefix}_{name}"), config, dtype=dtype,
+                                    max_shard_bytes=64 * 1024, verbose=False, quantizer=quantizer)
+
+    out = dict(round_trip=export("round_trip", HFCheckpoint(source_dir)), fresh=export("fresh", None))
+    _nudge(model, 2e-2)
+    out["tuned"] = export("tuned", HFCheckpoint(source_dir))
+    out["tuned_fp32"] = export("tuned_fp32", None, dtype=torch.float32, quantized=False)
+    # the CLI's logit check (last: it quantizes the weights in place)
+    quantizer = ExportQuantizer(module.QUANTIZED_HF, source_config, HFCheckpoint(source_dir))
+    out["trained_logits"], out["exported_logits"] = quantization_logits(model, family, quantized_config, quantizer,
+                                                                        torch.device("cpu"))
+    return out
+
+
+def run(rank: int, world: int, gpt_oss_mxfp4: str, deepseek_fp8: str, out_root: str) -> dict:
+    import hf_deepseek_v3_worker as D
+    import hf_gpt_oss_worker as W
+    from recipes.hf.convert import import_hf_checkpoint
+    from recipes.hf.gpt_oss import hf_config_from_recipe
+
+    torch._dynamo.config.disable = True
+    recipe, model = W._build(W.Job(gpt_oss_mxfp4, torch.zeros(1), torch.zeros(1)), W.Layout(ep=world, llep=False))
+    import_hf_checkpoint([model], gpt_oss_mxfp4, "gpt-oss", verbose=False)
+    out = {"gpt-oss": _exports(model, "gpt-oss", gpt_oss_mxfp4, out_root, "gpt_oss", hf_config_from_recipe(recipe))}
+    _, model = D._build(deepseek_fp8, world)  # the same EP = world process groups
+    D._import(model, deepseek_fp8)
+    out["deepseek-v3"] = _exports(model, "deepseek-v3", deepseek_fp8, out_root, "deepseek", {})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: python tests/hf_quant_export_worker.py DIR
+# ---------------------------------------------------------------------------------------------
+
+
+def measure(rank: int, world: int, mxfp4_dir: str, out_dir: str, max_shard_bytes: int) -> dict:
+    """Import ``mxfp4_dir`` at EP = world, export it in MXFP4 (source scales); per-rank numbers."""
+    import hf_gpt_oss_worker as W
+    from recipes.hf.checkpoint import HFCheckpoint
+    from recipes.hf.convert import export_hf_checkpoint, import_hf_checkpoint
+    from recipes.hf.gpt_oss import QUANTIZED_HF
+    from recipes.hf.quant import ExportQuantizer
+
+    _, model = W._build(W.Job(mxfp4_dir, torch.zeros(1), torch.zeros(1)), W.Layout(ep=world, llep=False))
+    imported = import_hf_checkpoint([model], mxfp4_dir, "gpt-oss", verbose=False)
+    config = HFCheckpoint(mxfp4_dir).config
+    exported = export_hf_checkpoint([model], "gpt-oss", out_dir, config, max_shard_bytes=max_shard_bytes, verbose=False,
+                                    quantizer=ExportQuantizer(QUANTIZED_HF, config, HFCheckpoint(mxfp4_dir)))
+    return dict(param_mib=imported.param_bytes / 2**20, import_peak_mib=imported.peak_overhead / 2**20,
+                export_peak_mib=exported.peak_overhead / 2**20, rss_before_mib=exported.rss_before / 2**20,
+                peak_reset=exported.peak_reset, written_mib=exported.bytes_written / 2**20, shards=len(exported.files),
+                seconds=exported.seconds)
+
+
+if __name__ == "__main__":
+    import sys
+
+    import hf_gpt_oss_worker as W
+    from megatron_llep.testing.distributed import run_distributed
+
+    root = sys.argv[1]
+    shard = 16 * 2**20
+    for layers in (4, 8):  # the export's peak should not grow with the model: it holds one layer at a time
+        mxfp4 = os.path.join(root, f"mxfp4_{layers}_layers")
+        if not os.path.isdir(mxfp4):
+            W.save_tiny_model(os.path.join(root, f"bf16_{layers}_layers"), mxfp4, max_shard_size="64MB",
+                              **{**W.MEASURE_SHAPE, "num_hidden_layers": layers})
+        size = sum(os.path.getsize(os.path.join(mxfp4, f)) for f in os.listdir(mxfp4)) / 2**20
+        for world in (1, 2):
+            out = os.path.join(root, f"export_{layers}_layers_ep{world}")
+            for rank, r in enumerate(run_distributed(measure, world, mxfp4, out, shard, timeout_s=900)):
+                print(f"{layers} layers, MXFP4 checkpoint {size:.0f} MiB, EP={world} rank {rank}: own parameters "
+                      f"{r['param_mib']:.0f} MiB (fp32); peak RSS over the start: import +{r['import_peak_mib']:.0f} "
+                      f"MiB, export +{r['export_peak_mib']:.0f} MiB (over {r['rss_before_mib']:.0f} MiB; wrote "
+                      f"{r['written_mib']:.0f} MiB in {r['shards']} shards of <= {shard / 2**20:.0f} MiB, "
+                      f"{r['seconds']:.1f} s)", flush=True)

@@ -1,0 +1,375 @@
+"""Export in the published precision (recipes.hf.quant.quantize_* / ExportQuantizer, the export
+path of recipes.hf.convert): gpt-oss's MXFP4 experts and DeepSeek-V3's block FP8 weights.
+
+References are independent of the code under test: quantizers written here in float64 (and
+DeepSeek's amax / 448 rule as tests/test_hf_quant.py writes it), transformers' own dequantizers and
+model classes loading the exported directories, and the source checkpoints' raw bits. Negative
+controls: a flipped nibble / scale byte / scale_inv fails the comparisons; a value off by one ulp
+loses its block's source scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_deepseek_v3_worker as D  # noqa: E402
+import hf_gpt_oss_worker as W  # noqa: E402
+import hf_quant_export_worker as Q  # noqa: E402
+from test_hf_quant import quantize_fp8, same_bits  # noqa: E402
+
+from megatron_llep.testing.distributed import run_distributed  # noqa: E402
+from recipes.hf.quant import (QuantStats, dequantize_fp8_blockwise, dequantize_mxfp4, quantize_fp8_blockwise,  # noqa: E402
+                              quantize_mxfp4)
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+
+
+def reference_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 MXFP4 quantizer: per 32 values the smallest power of two 2**e with amax <= 6 * 2**e
+    (found by search, not by frexp), codes = nearest E2M1 magnitude, ties to the even code."""
+    *lead, n = x.shape
+    g = x.double().reshape(-1, 32)
+    amax = g.abs().amax(1)
+    e = torch.full_like(amax, -127.0)
+    for k in range(-127, 128):  # ascending: the first k that holds amax wins
+        fits = (amax > 0) & (amax <= 6.0 * 2.0 ** k) & (e == -127.0)
+        e[fits] = k
+    scaled = (g / torch.exp2(e)[:, None]).abs()
+    dist = (scaled[..., None] - E2M1).abs()
+    ties = (dist == dist.min(-1, keepdim=True).values)
+    even_tied = torch.where(ties[..., 0::2], torch.arange(0, 8, 2), 99).min(-1).values
+    code = torch.where(ties.sum(-1) > 1, even_tied, dist.argmin(-1))
+    code = code | (torch.signbit(g).long() << 3)
+    blocks = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+    return blocks.reshape(*lead, n // 32, 16), (e + 127).to(torch.uint8).reshape(*lead, n // 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# the quantizers against independent ones
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fresh_mxfp4_is_the_reference_quantizer():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 256, generator=gen) * torch.exp2(torch.randint(-20, 20, (6, 1), generator=gen).float())
+    x[0, :32] = 0.0
+    x[1, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # every tie, amax 6
+    x[1, 32:64] = -x[1, :32]
+    blocks, scales = quantize_mxfp4(x)
+    ref_blocks, ref_scales = reference_mxfp4(x)
+    assert torch.equal(blocks, ref_blocks) and torch.equal(scales[1:], ref_scales[1:])
+    assert torch.equal(dequantize_mxfp4(blocks, scales)[0, :32], torch.zeros(32))
+    # negative control: nibbles in the other order (high nibble first) is a different encoding
+    swapped = (ref_blocks >> 4) | (ref_blocks << 4)
+    assert not torch.equal(blocks, swapped)
+
+
+def test_fresh_fp8_is_deepseeks_rule():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(300, 200, generator=gen) * 0.05
+    weight, scale_inv = quantize_fp8_blockwise(w, (128, 128))
+    ref_weight, ref_scale_inv = quantize_fp8(w, (128, 128))
+    assert same_bits(scale_inv, ref_scale_inv) and torch.equal(_raw(weight), _raw(ref_weight))
+    # negative control: one scale for the whole tensor instead of one per block
+    whole = w.abs().max() / 448.0
+    assert not torch.equal(_raw(weight), _raw((w / whole).to(torch.float8_e4m3fn)))
+
+
+@pytest.mark.parametrize("held", ["float32", "bfloat16", "bfloat16 in float32"])
+def test_source_scales_give_back_the_source_bits(held):
+    """Imported values (dequantized in the import dtype) + the source scales -> the source's bits,
+    for every block, including -0.0 codes and a wide range of scales; fresh scales would not."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = torch.randint(0, 256, (4, 64, 4, 16), generator=gen, dtype=torch.int32).to(torch.uint8)
+    blocks[0, 0] = 0x08  # -0.0 codes
+    blocks[0, 1] &= 0x33  # magnitudes <= 1.5: an ambiguous block (a smaller scale holds it too)
+    scales = torch.randint(90, 160, (4, 64, 4), generator=gen, dtype=torch.int32).to(torch.uint8)
+    fp8, scale_inv = quantize_fp8(torch.randn(260, 300, generator=gen) * 0.02, (128, 128))
+    dtype = torch.float32 if held == "float32" else torch.bfloat16
+    values = dequantize_mxfp4(blocks, scales, dtype)
+    weight = dequantize_fp8_blockwise(fp8, scale_inv, dtype=dtype)
+    if held == "bfloat16 in float32":  # imported on a GPU in bf16, exported from CPU in fp32
+        values, weight = values.float(), weight.float()
+    stats = QuantStats()
+    got_blocks, got_scales = quantize_mxfp4(values, scales, stats=stats)
+    assert torch.equal(got_blocks, blocks) and torch.equal(got_scales, scales)
+    assert stats.reused == stats.blocks == scales.numel() and stats.max_abs == 0.0
+    got_fp8, got_scale_inv = quantize_fp8_blockwise(weight, (128, 128), scale_inv)
+    assert torch.equal(_raw(got_fp8), _raw(fp8)) and same_bits(got_scale_inv, scale_inv)
+    # fresh scales hold the same MXFP4 values but not the same bits (the ambiguity the source settles)
+    fresh_blocks, fresh_scales = quantize_mxfp4(values)
+    assert torch.equal(dequantize_mxfp4(fresh_blocks, fresh_scales), values.float())
+    assert not torch.equal(fresh_scales, scales)
+    if values.dtype == torch.bfloat16:  # amax / 448 of bf16-rounded values is not the source's scale
+        assert not same_bits(quantize_fp8_blockwise(weight, (128, 128))[1], scale_inv)
+    # negative control: one value one ulp off -> its block gets a fresh scale, the others keep theirs
+    nudged = values.clone()
+    nudged[2, 3, 40] = torch.nextafter(nudged[2, 3, 40], torch.tensor(float("inf"), dtype=nudged.dtype))
+    stats = QuantStats()
+    quantize_mxfp4(nudged, scales, stats=stats)
+    assert stats.reused == stats.blocks - 1 and stats.max_abs > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# import -> export through Megatron-Core (EP = 2), against the source checkpoints and transformers
+# ---------------------------------------------------------------------------------------------
+
+
+def _tensors(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in glob.glob(os.path.join(directory, "*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def _same_checkpoint(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and
+                                          torch.equal(_raw(a[n]).view(-1).view(torch.uint8),
+                                                      _raw(b[n]).view(-1).view(torch.uint8))
+                                          for n in a)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant_export")
+    gpt_bf16, gpt_mxfp4 = str(root / "gpt_oss_bf16"), str(root / "gpt_oss_mxfp4")
+    gpt_model = W.save_tiny_model(gpt_bf16, gpt_mxfp4)
+    ds_bf16, ds_fp8 = str(root / "deepseek_bf16"), str(root / "deepseek_fp8")
+    D.build_reference(ds_bf16, D.tiny_hf_config(rope_interleave=True))
+    dequantized = D.fp8_checkpoint(ds_bf16, ds_fp8, (16, 16))  # several blocks per weight, partial edges
+    (results, _) = run_distributed(Q.run, 2, gpt_mxfp4, ds_fp8, str(root), timeout_s=300)
+    return dict(root=root, gpt_mxfp4=gpt_mxfp4, gpt_model=gpt_model, ds_bf16=ds_bf16, ds_fp8=ds_fp8,
+                ds_dequantized=dequantized, results=results)
+
+
+def _gpt_oss_logits(directory: str, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    model = GptOssForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True))
+    return W.reference_logits(model, ids)
+
+
+def test_gpt_oss_mxfp4_round_trip_is_bit_identical(exported):
+    out = os.path.join(exported["root"], "gpt_oss_round_trip")
+    source, mine = _tensors(exported["gpt_mxfp4"]), _tensors(out)
+    assert _same_checkpoint(source, mine)
+    assert any(n.endswith("_blocks") for n in mine) and any(n.endswith("_scales") for n in mine)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        assert sorted(json.load(f)["weight_map"]) == sorted(source)
+    assert len(exported["results"]["gpt-oss"]["round_trip"].files) > 1  # 64 KiB shards
+    with open(os.path.join(exported["gpt_mxfp4"], "config.json")) as f, open(os.path.join(out, "config.json")) as g:
+        assert json.load(f) == json.load(g)  # quantization_config included
+    stats = exported["results"]["gpt-oss"]["round_trip"].quantization
+    assert sorted(stats) == ["experts down_proj (fc2)", "experts gate_up_proj (fc1)"]
+    assert all(s.max_abs == 0.0 and s.reused == s.blocks > 0 for s in stats.values())
+
+
+def test_transformers_loads_the_mxfp4_export_and_a_flipped_nibble_fails(exported, tmp_path):
+    ids = W.token_ids()
+    reference = W.reference_logits(exported["gpt_model"], ids)  # the bf16 model of the MXFP4 values
+    out = os.path.join(exported["root"], "gpt_oss_round_trip")
+    assert torch.equal(_gpt_oss_logits(out, ids), reference)
+    assert torch.equal(_gpt_oss_logits(os.path.join(exported["root"], "gpt_oss_fresh"), ids), reference)
+    # negative control: one nibble flipped in a copy of the export
+    from safetensors.torch import load_file, save_file
+
+    broken = str(tmp_path / "flipped")
+    shutil.copytree(out, broken)
+    for file in sorted(glob.glob(os.path.join(broken, "*.safetensors"))):
+        tensors = load_file(file)
+        name = next((n for n in tensors if n.endswith("down_proj_blocks")), None)
+        if name:
+            tensors[name].view(-1)[0] ^= 0x07
+            save_file(tensors, file, metadata={"format": "pt"})
+            break
+    assert not _same_checkpoint(_tensors(exported["gpt_mxfp4"]), _tensors(broken))
+    assert not torch.equal(_gpt_oss_logits(broken, ids), reference)
+
+
+def _fp8_dequantized_dir(source: str, directory: str) -> str:
+    """``source`` with every FP8 weight dequantized by DeepSeek's formula, written here
+    (``fp8.float() * scale_inv`` of its block in float32, rounded to bf16; partial edge blocks):
+    transformers' own FP8 loading needs accelerate, which the test environment lacks, and its
+    Fp8Dequantize infers the block from the grid (full blocks only)."""
+    tensors = _tensors(source)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    bm, bn = config.pop("quantization_config")["weight_block_size"]
+    for name in [n for n in tensors if n.endswith("_scale_inv")]:
+        weight = name[: -len("_scale_inv")]
+        scale = tensors.pop(name)
+        rows, cols = tensors[weight].shape
+        expand = scale.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+        tensors[weight] = (tensors[weight].to(torch.float32) * expand).to(torch.bfloat16)
+    D.write_checkpoint(directory, config, tensors)
+    return directory
+
+
+def test_deepseek_fp8_round_trip_is_bit_identical_and_loads(exported, tmp_path):
+    out = os.path.join(exported["root"], "deepseek_round_trip")
+    source, mine = _tensors(exported["ds_fp8"]), _tensors(out)
+    assert _same_checkpoint(source, mine)
+    with open(os.path.join(exported["ds_fp8"], "config.json")) as f, open(os.path.join(out, "config.json")) as g:
+        assert json.load(f) == json.load(g)
+    stats = exported["results"]["deepseek-v3"]["round_trip"].quantization
+    assert sorted(stats) == ["attention", "dense mlp", "mtp eh_proj", "routed experts", "shared experts"]
+    assert all(s.max_abs == 0.0 and s.reused == s.blocks > 0 for s in stats.values())
+    # transformers' logits of the export (dequantized by transformers) = those of the dequantized source
+    ids = torch.randint(2, D.tiny_hf_config()["vocab_size"], (D.BATCH, D.SEQ), generator=torch.Generator().manual_seed(0))
+    plain = {**_tensors(exported["ds_bf16"]), **{n: v.to(torch.bfloat16) for n, v in exported["ds_dequantized"].items()}}
+    with open(os.path.join(exported["ds_bf16"], "config.json")) as f:
+        config = json.load(f)
+    D.write_checkpoint(str(tmp_path / "reference"), config, plain)
+    reference = D.hf_logits(str(tmp_path / "reference"), ids)
+    assert torch.equal(D.hf_logits(_fp8_dequantized_dir(out, str(tmp_path / "mine")), ids), reference)
+    # negative control: one scale_inv doubled
+    flipped = dict(mine)
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"  # (transformers does not load the MTP layer)
+    flipped[name] = flipped[name].clone()
+    flipped[name].view(-1)[0] *= 2
+    assert not _same_checkpoint(source, flipped)
+    D.write_checkpoint(str(tmp_path / "flipped_src"), json.load(open(os.path.join(out, "config.json"))), flipped)
+    assert not torch.equal(D.hf_logits(_fp8_dequantized_dir(str(tmp_path / "flipped_src"), str(tmp_path / "flipped")),
+                                       ids), reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# after training: the error report and the logit check, against transformers
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_report(stats: dict, groups: dict, quantized: dict, plain: dict, dequantize) -> None:
+    """The reported max abs / relative error of each group = this test's own, computed from the
+    written files (``dequantize(quantized, name)`` by transformers' functions or the formula)."""
+    for group, member in groups.items():
+        names = [n for n in plain if member(n)]
+        assert names, group
+        errors = [dequantize(quantized, n).double() - plain[n].double() for n in names]
+        max_abs = max(float(e.abs().max()) for e in errors)
+        relative = float(sum(e.square().sum() for e in errors).sqrt() /
+                         sum(plain[n].double().square().sum() for n in names).sqrt())
+        assert stats[group].max_abs == pytest.approx(max_abs, rel=1e-12), group
+        assert stats[group].relative == pytest.approx(relative, rel=1e-9), group
+        assert 0 < stats[group].relative < 0.2 and stats[group].reused < stats[group].blocks, group
+
+
+def test_gpt_oss_error_report_and_logit_check_after_training(exported):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    root, res = exported["root"], exported["results"]["gpt-oss"]
+    quantized, plain = _tensors(os.path.join(root, "gpt_oss_tuned")), _tensors(os.path.join(root, "gpt_oss_tuned_fp32"))
+    groups = {"experts gate_up_proj (fc1)": lambda n: n.endswith("experts.gate_up_proj"),
+              "experts down_proj (fc2)": lambda n: n.endswith("experts.down_proj")}
+
+    def dequantize(tensors, name):
+        return convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"], dtype=torch.float32)
+
+    _check_report(res["tuned"].quantization, groups, quantized, plain, dequantize)
+    # negative control: the groups swapped do not match the report
+    with pytest.raises(AssertionError):
+        _check_report(res["tuned"].quantization, dict(zip(groups, reversed(list(groups.values())))), quantized, plain,
+                      dequantize)
+    # the logit check's two models are the two exported checkpoints as transformers runs them
+    from transformers import GptOssForCausalLM
+
+    from recipes.hf.__main__ import LOGIT_CHECK_PROMPTS, LOGIT_CHECK_SEED
+
+    ids = torch.randint(0, W.VOCAB, LOGIT_CHECK_PROMPTS, generator=torch.Generator().manual_seed(LOGIT_CHECK_SEED))
+    as_exported = _gpt_oss_logits(os.path.join(root, "gpt_oss_tuned"), ids)
+    fp32 = GptOssForCausalLM.from_pretrained(os.path.join(root, "gpt_oss_tuned_fp32"), attn_implementation="eager",
+                                             dtype=torch.float32)
+    as_trained = W.reference_logits(fp32, ids)
+    assert W.rel_err(res["trained_logits"], as_trained) < 1e-5
+    assert W.rel_err(res["exported_logits"], as_exported) < 1e-5
+    change = W.rel_err(as_exported, as_trained)
+    assert 1e-4 < change < 1.0, change  # the quantization moves the logits (tiny random model: a lot)
+    assert W.rel_err(res["exported_logits"], as_trained) > 1e-4  # (negative control: the check tells them apart)
+
+
+def test_deepseek_error_report_after_training(exported):
+    root, res = exported["root"], exported["results"]["deepseek-v3"]
+    quantized, plain = _tensors(os.path.join(root, "deepseek_tuned")), _tensors(os.path.join(root, "deepseek_tuned_fp32"))
+    mtp_layer = D.tiny_hf_config()["num_hidden_layers"]
+    groups = {"attention": lambda n: ".self_attn." in n and n.endswith(("proj.weight", "proj_with_mqa.weight")),
+              "dense mlp": lambda n: (".mlp." in n and n.endswith("proj.weight") and ".experts." not in n
+                                      and ".shared_experts." not in n),
+              "routed experts": lambda n: ".mlp.experts." in n and n.endswith("proj.weight"),
+              "shared experts": lambda n: ".shared_experts." in n and n.endswith("proj.weight"),
+              "mtp eh_proj": lambda n: n == f"model.layers.{mtp_layer}.eh_proj.weight"}
+    with open(os.path.join(root, "deepseek_tuned", "config.json")) as f:
+        bm, bn = json.load(f)["quantization_config"]["weight_block_size"]
+
+    def dequantize(tensors, name):  # DeepSeek's weight_dequant formula, written here
+        rows, cols = tensors[name].shape
+        scale = tensors[name + "_scale_inv"].repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+        return tensors[name].to(torch.float32) * scale
+
+    _check_report(res["tuned"].quantization, groups, quantized, plain, dequantize)
+    assert W.rel_err(res["exported_logits"], res["trained_logits"]) > 1e-5
+
+
+
+def _export_args(**flags) -> argparse.Namespace:
+    return argparse.Namespace(**{"quant_source": None, "fresh_scales": False, "dequantized": False, **flags})
+
+
+def test_export_flags_are_refused_where_the_round_trip_cannot_hold(exported):
+    """``python -m recipes.hf export``: a model imported from a quantized checkpoint needs a scale
+    source, fresh scales or --dequantized; flags that contradict the checkpoint are one line."""
+    from recipes.hf import gpt_oss
+    from recipes.hf.__main__ import export_quantizer
+    from recipes.hf.checkpoint import HFCheckpoint
+
+    quantized = HFCheckpoint(exported["gpt_mxfp4"]).config
+    plain = {k: v for k, v in quantized.items() if k != "quantization_config"}
+    with pytest.raises(ValueError, match=r"imported from a mxfp4 checkpoint: pass --quant-source DIR .* --fresh-scales"):
+        export_quantizer(_export_args(), quantized, gpt_oss)
+    with pytest.raises(ValueError, match=r"^--fresh-scales: the checkpoint's config.json has no quantization_config"):
+        export_quantizer(_export_args(fresh_scales=True), plain, gpt_oss)
+    with pytest.raises(ValueError, match=r"^--quant-source .*quant_method is 'fp8', the model's 'mxfp4'"):
+        export_quantizer(_export_args(quant_source=exported["ds_fp8"]), quantized, gpt_oss)
+    assert export_quantizer(_export_args(dequantized=True), quantized, gpt_oss) is None
+    assert export_quantizer(_export_args(), plain, gpt_oss) is None
+    assert export_quantizer(_export_args(quant_source=exported["gpt_mxfp4"]), quantized, gpt_oss).source is not None
+
+
+def _cli(args: list) -> "subprocess.CompletedProcess":
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
+    return subprocess.run([sys.executable, "-m", "recipes.hf", *args], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_fp8_import_then_export_gives_the_source_back(exported, tmp_path):
+    """``python -m recipes.hf import`` of the FP8 checkpoint, then ``export --quant-source``: the
+    source bit for bit, the error report and the logit check printed once, both zero (the refusal
+    without a precision flag: test_export_flags_are_refused_where_the_round_trip_cannot_hold)."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    result = _cli(["import", "--hf", exported["ds_fp8"], "--recipe", "deepseek-v3-tiny", "--out", ckpt])
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = _cli(["export", "--load", ckpt, "--out", out, "--quant-source", exported["ds_fp8"]])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _same_checkpoint(_tensors(exported["ds_fp8"]), _tensors(out))
+    lines = [line for line in result.stdout.splitlines() if "quantization error" in line]
+    assert len(lines) == 5 and all("max abs 0.000e+00, relative 0.000e+00" in line for line in lines), result.stdout
+    assert result.stdout.count("logit difference, exported vs as trained") == 1
+    assert "max abs 0.000e+00, relative 0.000e+00, top-1 agreement 1.0000" in result.stdout
