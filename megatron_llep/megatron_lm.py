@@ -66,6 +66,13 @@ def add_llep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "LLEP spills (even below lambda, in chunks under m) to keep every rank within it, and "
                             "a micro-batch routing more than EP x ROWS rows stops with an error naming the layer "
                             "(default: no budget)")
+    group.add_argument("--llep-max-kept-weight-bytes", type=int, default=defaults.max_kept_weight_bytes,
+                       metavar="BYTES",
+                       help="bytes of borrowed experts (weights + fp32 gradient accumulator) each rank keeps for the "
+                            "rest of the optimizer step, over all MoE layers (0: keep none; default: no bound)")
+    group.add_argument("--llep-relay-within-node", action=argparse.BooleanOptionalAction,
+                       default=defaults.relay_within_node,
+                       help="a borrowed expert's copy crosses to another node once and is forwarded inside it")
     group.add_argument("--llep-placement", default=None, metavar="PATH",
                        help="CAP expert placement (python -m megatron_llep.placement plan ...), applied before "
                             "training; a checkpoint holds the experts in this placement's order")
@@ -88,6 +95,8 @@ def llep_config_from_args(args: argparse.Namespace) -> LLEPConfig:
             enabled=args.llep_enabled,
             record_stats=args.llep_record_stats,
             max_tokens_per_rank=args.llep_max_tokens_per_rank,
+            max_kept_weight_bytes=args.llep_max_kept_weight_bytes,
+            relay_within_node=args.llep_relay_within_node,
         )
     except LLEPConfigError as err:  # every flag is named --llep-<field>
         raise ValueError(err.for_flag(f"--llep-{err.knob.replace('_', '-')}")) from None

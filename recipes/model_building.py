@@ -29,7 +29,8 @@ from recipes.models import RECIPES
 # the LLEPConfig field each LLEP flag sets (its validation messages name the flag)
 LLEP_FLAGS = {"alpha": "--llep-alpha", "min_chunk_tokens": "--llep-min-chunk-tokens",
               "imbalance_threshold": "--llep-imbalance-threshold", "ranks_per_node": "--ranks-per-node",
-              "max_tokens_per_rank": "--llep-max-tokens-per-rank"}
+              "max_tokens_per_rank": "--llep-max-tokens-per-rank",
+              "max_kept_weight_bytes": "--llep-max-kept-weight-bytes"}
 # the RoutingPruning field each pruning flag sets (its validation messages name the flag)
 PRUNING_FLAGS = {"pruning.p": "--prune-p", "pruning.method": "--prune-method",
                  "pruning.cross_node_cost": "--cross-node-cost"}
@@ -114,6 +115,13 @@ def add_llep_arguments(parser: argparse.ArgumentParser) -> None:
                            "LLEP spills (even below lambda, in chunks under m) to keep every rank within it; a "
                            "micro-batch routing more than EP x ROWS rows stops with an error naming the layer "
                            "(default: no budget)")
+    llep.add_argument("--llep-max-kept-weight-bytes", type=int, default=None, metavar="BYTES",
+                      help="bytes of borrowed experts (weights + fp32 gradient accumulator) each rank keeps for the "
+                           "rest of the optimizer step, over all MoE layers; kept copies serve later micro-batches "
+                           "without a new copy and return their gradients once per step (0: keep none; default: "
+                           "no bound)")
+    llep.add_argument("--llep-relay-within-node", action=argparse.BooleanOptionalAction, default=True,
+                      help="a borrowed expert's copy crosses to another node once and is forwarded inside it")
     cap = parser.add_argument_group("CAP expert placement (docs/placement.md)")
     cap.add_argument("--placement", default=None, help="placement file (python -m megatron_llep.placement plan ...)")
     cap.add_argument("--record-routing-trace", default=None, metavar="DIR",
@@ -173,7 +181,8 @@ def check_llep_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
     try:  # LLEPConfig's own rules, with the flag named
         LLEPConfig(alpha=args.llep_alpha, imbalance_threshold=args.llep_imbalance_threshold,
                    min_chunk_tokens=0 if args.llep_min_chunk_tokens is None else args.llep_min_chunk_tokens,
-                   ranks_per_node=args.ranks_per_node, max_tokens_per_rank=args.llep_max_tokens_per_rank)
+                   ranks_per_node=args.ranks_per_node, max_tokens_per_rank=args.llep_max_tokens_per_rank,
+                   max_kept_weight_bytes=args.llep_max_kept_weight_bytes)
     except LLEPConfigError as err:
         parser.error(err.for_flag(LLEP_FLAGS[err.knob]))
     if args.force_routing is not None:
@@ -346,6 +355,8 @@ def llep_config(args: argparse.Namespace, on_gpu: bool) -> LLEPConfig:
         ranks_per_node=args.ranks_per_node,
         pruning=pruning_settings(args),
         max_tokens_per_rank=args.llep_max_tokens_per_rank,
+        max_kept_weight_bytes=args.llep_max_kept_weight_bytes,
+        relay_within_node=args.llep_relay_within_node,
     )
 
 

@@ -124,6 +124,8 @@ def _usage_error(capsys, argv) -> str:
         (["--ranks-per-node", "0"], "--ranks-per-node must be a positive integer"),
         (["--llep-max-tokens-per-rank", "0"], "--llep-max-tokens-per-rank (the token-expert rows an EP rank may "
                                               "receive per layer step) must be a positive integer"),
+        (["--llep-max-kept-weight-bytes", "-1"], "--llep-max-kept-weight-bytes (the bytes of borrowed experts a rank "
+                                                 "keeps for the step) must be an integer >= 0"),
         (["--force-routing", "0.9:99"], "--force-routing F:H: H = 99 hot experts, but gpt-oss-tiny has 8"),
         (["--recipe", "deepseek-v3-tiny", "--force-routing", "0.9:9"], "H = 9 hot experts, but deepseek-v3-tiny has 8"),
         (["--lr", "-1"], "--lr must be positive, got -1.0"),

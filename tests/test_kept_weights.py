@@ -7,6 +7,7 @@ the optimizer step (stale weights) make the comparison fail."""
 
 import pytest
 
+from megatron_llep.config import LLEPConfig, LLEPConfigError
 from megatron_llep.testing.distributed import run_distributed
 from step_worker import StepCase, train_both
 
@@ -52,3 +53,13 @@ def test_kept_copies_relayed_bounded_and_pipelined_on_four_ranks():
     for result in results.values():
         _check(result, 4)
     assert results["two-nodes-relay"]["relayed"] > 0  # a copy came from a keeper in the helper's node
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "1GB"])
+def test_config_refuses_a_kept_bound_outside_its_domain(value):
+    with pytest.raises(LLEPConfigError) as err:
+        LLEPConfig(max_kept_weight_bytes=value)
+    assert err.value.knob == "max_kept_weight_bytes"
+    assert "must be an integer >= 0 (0: keep none)" in err.value.for_flag("--llep-max-kept-weight-bytes")
+    with pytest.raises(LLEPConfigError, match="relay_within_node must be True or False"):
+        LLEPConfig(relay_within_node=1)
