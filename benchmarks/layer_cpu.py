@@ -6,7 +6,9 @@ LLEP side by side in the same gloo run, P = 2, SPEC shapes scaled to fit two cor
 Per layer shape and scenario it reports the forward wall-clock time of both (fastest of the
 repeats, slowest rank; the minimum filters the CPU steal of a shared VM), the EP/LLEP ratio, LLEP
 against the force-balanced ideal (stock EP on balanced routing, a third layer with the same
-weights), forward+backward time, and per-rank peak memory of a forward+backward step. EP, LLEP and
+weights), forward+backward time, and per-rank peak memory of a forward+backward step, and the weight bytes LLEP copies in an optimizer
+step of four forward+backward micro-batches with its copies kept for the step (the default) and
+without (``max_kept_weight_bytes=0``). EP, LLEP and
 the ideal run alternately at every point, so every ratio compares timings of the same minutes.
 
 Peak memory, two measures. Live tensor bytes (``*_live_peak_mb``, EP, LLEP and the ideal): the
@@ -153,6 +155,7 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
     import torch
     import torch.distributed as dist
 
+    from megatron_llep.kept_weights import drop_kept_experts
     from megatron_llep.scenarios import force_routing, imbalanced_topk
     from megatron_llep.testing.memory import step_live_bytes
     from megatron_llep.testing.moe import init_expert_parallel
@@ -186,6 +189,8 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
             force_routing(layer.router, ids)
 
         def forward(layer):
+            if layer is llep:
+                drop_kept_experts("timing a first micro-batch")  # every timed forward copies afresh
             with torch.no_grad():
                 layer(x)
 
@@ -213,6 +218,7 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
             "spilled_tokens": stats.spilled_tokens, "weight_mb": stats.weight_bytes / 1e6,
             "moved_tokens": stats.moved_tokens, "plan_ms": stats.plan_time_s * 1e3,
         }
+        row.update(_weight_bytes_per_step(llep, step, STEP_MICROBATCHES))
         if point.memory:
             for name, layer in (("ep", stock), ("llep", llep)):
                 layer.zero_grad(set_to_none=True)
@@ -240,6 +246,34 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
             print(f"  {shape.name:16s} {point.scenario.label:9s} {point.ablation}={point.value} "
                   f"EP {row['ep_ms']:.1f} ms  LLEP {row['llep_ms']:.1f} ms  ({row['mode']})", flush=True)
     return rows
+
+
+STEP_MICROBATCHES = 4
+
+
+def _weight_bytes_per_step(llep, step, microbatches: int) -> dict:
+    """Weight bytes LLEP copies in one optimizer step of ``microbatches`` forward+backward passes
+    (the same routing each time: the worst case for reuse is a different routing per micro-batch,
+    see plan_model.py --steps), with the copies kept for the step (the default) and without."""
+    from dataclasses import replace as with_fields
+
+    from megatron_llep.kept_weights import accumulating_gradients, finish_borrowed_gradients
+    from megatron_llep.metrics import STATS
+
+    result = {}
+    config = llep.llep_config
+    for label, bound in (("kept", config.max_kept_weight_bytes), ("unkept", 0)):
+        llep.llep_config = llep.token_dispatcher.llep_config = with_fields(config, max_kept_weight_bytes=bound)
+        STATS.drain()
+        with accumulating_gradients():
+            for _ in range(microbatches):
+                step(llep)
+        finish_borrowed_gradients(llep)
+        stats = [s for entries in STATS.drain().values() for s in entries]
+        result[f"weight_mb_step_{label}"] = sum(s.weight_bytes for s in stats) / 1e6
+    llep.llep_config = llep.token_dispatcher.llep_config = config
+    llep.zero_grad(set_to_none=True)
+    return result
 
 
 def grid(quick: bool, smoke: bool = False, shape_names: Optional[list[str]] = None) -> list[Point]:
@@ -302,6 +336,8 @@ def main() -> None:
         ("ep_peak_mb", "EP peak MB", ".1f"), ("llep_peak_mb", "LLEP peak MB", ".1f"),
         ("ep_live_peak_mb", "EP live MB", ".1f"), ("llep_live_peak_mb", "LLEP live MB", ".1f"),
         ("ideal_live_peak_mb", "ideal live MB", ".1f"), ("weight_mb", "weights MB", ".1f"),
+        ("weight_mb_step_unkept", f"weights MB/step of {STEP_MICROBATCHES} unkept", ".1f"),
+        ("weight_mb_step_kept", "kept", ".1f"),
         ("plan_ms", "plan ms", ".2f"),
     ]
     print_table(rows, columns)

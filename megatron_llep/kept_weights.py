@@ -30,8 +30,9 @@ bumps its epoch; the next plan's count all-gather carries the epochs and every r
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -245,6 +246,18 @@ def gradient_sync_on() -> bool:
 def _count_no_sync(change: int) -> None:
     global _SYNC_OFF_DEPTH
     _SYNC_OFF_DEPTH += change
+
+
+@contextlib.contextmanager
+def accumulating_gradients() -> Iterator[None]:
+    """Backwards inside keep the kept experts' gradients on their helpers, as under Megatron DDP's
+    ``no_sync``: for loops that accumulate gradients over micro-batches without Megatron DDP.
+    Call :func:`finish_borrowed_gradients` on every rank after the step's last backward."""
+    _count_no_sync(1)
+    try:
+        yield
+    finally:
+        _count_no_sync(-1)
 
 
 def _dispatchers(modules: Optional[Iterable[Any]]) -> list:

@@ -202,3 +202,37 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
             ledger.held.clear(), ledger.pending.clear()
             ledger.used[:] = 0
     return results
+
+
+def accumulate_without_ddp(rank: int, world: int, microbatches: int = 3) -> dict:
+    """One MoE layer without DDP, ``microbatches`` forward+backward passes inside
+    :func:`~megatron_llep.kept_weights.accumulating_gradients`, then
+    :func:`~megatron_llep.kept_weights.finish_borrowed_gradients`: the native experts' gradients
+    equal stock EP's. Negative control: measured before the finish call, they lack the helpers' part."""
+    from megatron_llep.scenarios import imbalanced_topk
+    from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
+
+    parallel_state.destroy_model_parallel()
+    init_expert_parallel(world)
+    cfg = moe_config(EXPERTS, 16, 12, TOPK, world, moe_enable_routing_replay=True)
+    stock = build_moe_layer(cfg, None, seed=3)
+    llep = build_moe_layer(cfg, LLEPConfig(min_chunk_tokens=1, cost_aware=False, imbalance_threshold=1.05), seed=3)
+
+    def accumulate(layer) -> None:
+        layer.zero_grad(set_to_none=True)
+        with kept_weights.accumulating_gradients():
+            for mb in range(microbatches):
+                force_routing(layer.router, imbalanced_topk(24, EXPERTS, TOPK, 0.9, 1 + mb % 2, seed=10 * mb + rank))
+                x = torch.randn(24, 1, 16, generator=torch.Generator().manual_seed(100 * mb + rank))
+                layer(x)[0].square().sum().backward()
+
+    def error() -> float:
+        reference = dict(stock.experts.named_parameters())
+        return max(float((p.grad - reference[n].grad).abs().max() / reference[n].grad.abs().max())
+                   for n, p in llep.experts.named_parameters())
+
+    accumulate(stock)
+    accumulate(llep)
+    before_finish = error()
+    kept_weights.finish_borrowed_gradients(llep)
+    return {"before_finish": before_finish, "after_finish": error()}

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError
 from megatron_llep.testing.distributed import run_distributed
-from step_worker import StepCase, train_both
+from step_worker import StepCase, accumulate_without_ddp, train_both
 
 TWO_RANKS = [
     StepCase("sync-grad-reduce", ep=2, overlap_grad_reduce=False),
@@ -63,3 +63,11 @@ def test_config_refuses_a_kept_bound_outside_its_domain(value):
     assert "must be an integer >= 0 (0: keep none)" in err.value.for_flag("--llep-max-kept-weight-bytes")
     with pytest.raises(LLEPConfigError, match="relay_within_node must be True or False"):
         LLEPConfig(relay_within_node=1)
+
+
+def test_a_loop_without_ddp_accumulates_and_finishes_the_step():
+    """accumulating_gradients() + finish_borrowed_gradients(): a bare MoE layer's expert gradients
+    over 3 micro-batches equal stock EP's once the step is finished, and not before (control)."""
+    results = run_distributed(accumulate_without_ddp, 2, timeout_s=300)
+    assert max(r["after_finish"] for r in results) < 1e-5, results
+    assert max(r["before_finish"] for r in results) > 1e-2, results
