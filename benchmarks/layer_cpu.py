@@ -257,13 +257,14 @@ def _weight_bytes_per_step(llep, step, microbatches: int) -> dict:
     see plan_model.py --steps), with the copies kept for the step (the default) and without."""
     from dataclasses import replace as with_fields
 
-    from megatron_llep.kept_weights import accumulating_gradients, finish_borrowed_gradients
+    from megatron_llep.kept_weights import accumulating_gradients, drop_kept_experts, finish_borrowed_gradients
     from megatron_llep.metrics import STATS
 
     result = {}
     config = llep.llep_config
     for label, bound in (("kept", config.max_kept_weight_bytes), ("unkept", 0)):
         llep.llep_config = llep.token_dispatcher.llep_config = with_fields(config, max_kept_weight_bytes=bound)
+        drop_kept_experts("a new optimizer step")  # copies the timed forwards left
         STATS.drain()
         with accumulating_gradients():
             for _ in range(microbatches):

@@ -251,16 +251,18 @@ def step_gradient_return(held: np.ndarray, shape: LayerShape, model: CostModel, 
     (``held[e, p]``: rank ``p`` keeps a copy of ``e``). Each goes to the expert's native rank; with
     relays the copies of an expert on one node are first summed at the lowest of them (inside the
     node), so one gradient per (expert, node) crosses, after the in-node sums (the two phases are
-    added). Without relays every copy returns directly, both link classes in parallel."""
+    added). Without relays every copy returns directly, both link classes in parallel. A kept copy's
+    gradient is its fp32 accumulator (4 bytes per parameter, what the runtime sends)."""
     ep = held.shape[1]
     es = expert_shape(shape)
+    grad_bytes = 4 * es.num_params
     local = shape.num_experts // ep
     node = np.arange(ep) // RANKS_PER_NODE
     out, into = np.zeros((2, ep)), np.zeros((2, ep))  # [in-node phase, cross-node phase]
 
     def send(src: int, dst: int, phase: int) -> None:
-        out[phase, src] += es.weight_bytes
-        into[phase, dst] += es.weight_bytes
+        out[phase, src] += grad_bytes
+        into[phase, dst] += grad_bytes
 
     crossing = 0
     for e in np.flatnonzero(held.any(axis=1)):
@@ -280,8 +282,8 @@ def step_gradient_return(held: np.ndarray, shape: LayerShape, model: CostModel, 
     links = [max(model.link_time(float(b), inter) for b in np.maximum(out[phase], into[phase]))
              for phase, inter in ((0, False), (1, True))]
     if not relay:  # direct returns use both link classes at once
-        return max(links), crossing * es.weight_bytes
-    return sum(links), crossing * es.weight_bytes
+        return max(links), crossing * grad_bytes
+    return sum(links), crossing * grad_bytes
 
 
 def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: int, repeats: int) -> list[dict]:

@@ -35,9 +35,11 @@ class StepCase:
     name: str
     ep: int
     pp: int = 1
+    vpp: int = 1  # virtual pipeline stages per rank (Megatron's interleaved 1F1B schedule when > 1)
     microbatches: int = 4
     steps: int = 2
     overlap_grad_reduce: bool = True
+    distributed_optimizer: bool = True
     ranks_per_node: int = 0  # 0: one node
     grad_sync_func: bool = False  # Megatron-LM's align_grad_reduce: stages start their reduce after the last backward
     max_kept_weight_bytes: int = -1  # -1: no bound
@@ -46,17 +48,20 @@ class StepCase:
 
 def _config(case: StepCase) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=2 * case.pp, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+        num_layers=2 * case.pp * case.vpp, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
         num_moe_experts=EXPERTS, moe_ffn_hidden_size=12, moe_router_topk=TOPK,
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
         expert_model_parallel_size=case.ep, pipeline_model_parallel_size=case.pp, use_cpu_initialization=True,
+        virtual_pipeline_model_parallel_size=case.vpp if case.vpp > 1 else None,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, moe_enable_routing_replay=True,
         hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, add_bias_linear=False,
         normalization="RMSNorm",
     )
 
 
-def _build(case: StepCase, llep: bool, state=None):
+def _build(case: StepCase, llep: bool, states=None):
+    """The model chunks of this rank (one per virtual pipeline stage), Megatron DDP around each, one
+    optimizer, and the schedule's step functions on the config."""
     config = _config(case)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
     if llep:
@@ -64,24 +69,30 @@ def _build(case: StepCase, llep: bool, state=None):
         spec = with_llep(spec, LLEPConfig(min_chunk_tokens=1, cost_aware=False, imbalance_threshold=1.05,
                                           ranks_per_node=case.ranks_per_node or None, max_kept_weight_bytes=bound))
     torch.manual_seed(11)
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
-    if state is not None:
-        model.load_state_dict(state)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=case.overlap_grad_reduce,
-                                               use_distributed_optimizer=True, bucket_size=2000)
-    model = DistributedDataParallel(config, ddp_config, model)
+    chunks = []
+    for stage in range(case.vpp):
+        vp = stage if case.vpp > 1 else None
+        chunk = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                         vp_stage=vp)
+        if states is not None:
+            chunk.load_state_dict(states[stage])
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   overlap_grad_reduce=case.overlap_grad_reduce,
+                                                   use_distributed_optimizer=case.distributed_optimizer,
+                                                   bucket_size=2000)
+        chunks.append(DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=stage > 0))
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, adam_eps=1e-4, use_distributed_optimizer=True, clip_grad=1.0,
-                        bf16=False),
-        [model],
+        OptimizerConfig(optimizer="adam", lr=1e-2, adam_eps=1e-4, use_distributed_optimizer=case.distributed_optimizer,
+                        clip_grad=1.0, bf16=False),
+        chunks,
     )
-    config.no_sync_func = model.no_sync
+    config.no_sync_func = [c.no_sync for c in chunks] if case.vpp > 1 else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     if case.grad_sync_func:
-        config.grad_sync_func = model.start_grad_sync
-    return model, optimizer
+        config.grad_sync_func = [c.start_grad_sync for c in chunks] if case.vpp > 1 else chunks[0].start_grad_sync
+    return chunks, optimizer
 
 
 def _moe_layers(model) -> list:
@@ -112,29 +123,30 @@ def _loss(output: torch.Tensor):
                                                                                       torch.tensor(float(output.numel()))])}
 
 
-def _train(case: StepCase, model, optimizer, rank: int) -> list[float]:
-    layers = _moe_layers(model)
+def _train(case: StepCase, chunks, optimizer, rank: int) -> list[float]:
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     forward_backward = get_forward_backward_func()
     losses = []
     for step in range(case.steps):
-        micro = iter(range(case.microbatches))
+        # every chunk reads the same micro-batch sequence (the first stage's tokens, the last stage's labels)
+        micro = [iter(range(case.microbatches)) for _ in chunks]
 
         def forward_step(data_iterator, model_chunk):
             mb = next(data_iterator)
             gen = torch.Generator().manual_seed(7919 * step + 101 * mb + ep_rank)
             tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-            for index, layer in enumerate(layers):
+            for layer in _moe_layers(model_chunk):
                 force_routing(layer.router, _routing(step, mb, ep_rank, layer.layer_number, case.ep))
             position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
             return model_chunk(tokens, position_ids, None, labels=labels), _loss
 
-        model.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        result = forward_backward(forward_step_func=forward_step, data_iterator=micro, model=[model],
-                                  num_microbatches=case.microbatches, seq_length=SEQ, micro_batch_size=BATCH,
-                                  forward_only=False)
+        result = forward_backward(forward_step_func=forward_step, data_iterator=micro if case.vpp > 1 else micro[0],
+                                  model=chunks, num_microbatches=case.microbatches, seq_length=SEQ,
+                                  micro_batch_size=BATCH, forward_only=False)
         optimizer.step()
         losses.append(float(sum(float(r["lm loss"][0]) for r in result)) if result else 0.0)
     return losses
@@ -164,10 +176,11 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
     results = []
     for case in cases:
         parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(1, case.pp, expert_model_parallel_size=case.ep)
+        parallel_state.initialize_model_parallel(1, case.pp, case.vpp if case.vpp > 1 else None,
+                                                 expert_model_parallel_size=case.ep)
         model_parallel_cuda_manual_seed(1234)
         plain_model, plain_opt = _build(case, llep=False)
-        llep_model, llep_opt = _build(case, llep=True, state=plain_model.module.state_dict())
+        llep_model, llep_opt = _build(case, llep=True, states=[chunk.module.state_dict() for chunk in plain_model])
         plain_losses = _train(case, plain_model, plain_opt, rank)
         counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0}
         local = EXPERTS // case.ep
@@ -191,9 +204,12 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         finally:
             restore()
             ExpertWeightExchange.start, kept_weights.KeptLedger.flush_layer = start, flush
-        plain_params = dict(plain_model.module.named_parameters())
-        worst = max(float((p.detach() - plain_params[n].detach()).abs().max() / plain_params[n].abs().max().clamp_min(1e-30))
-                    for n, p in llep_model.module.named_parameters())
+        worst = 0.0
+        for plain_chunk, llep_chunk in zip(plain_model, llep_model):
+            plain_params = dict(plain_chunk.module.named_parameters())
+            worst = max([worst] + [float((p.detach() - plain_params[n].detach()).abs().max()
+                                         / plain_params[n].abs().max().clamp_min(1e-30))
+                                   for n, p in llep_chunk.module.named_parameters()])
         totals = torch.tensor(list(counts.values()))
         dist.all_reduce(totals)
         results.append({"case": dataclasses.asdict(case), "plain_losses": plain_losses, "llep_losses": llep_losses,
