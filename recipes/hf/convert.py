@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_llep.kept_weights import drop_kept_experts
 from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError, HFCheckpointWriter
 
 FAMILIES: dict[str, str] = {"gpt-oss": "recipes.hf.gpt_oss", "deepseek-v3": "recipes.hf.deepseek_v3"}
@@ -890,5 +891,6 @@ def quantize_parameters_in_place(model_chunks, family, hf_config: dict, quantize
                 except (ConversionError, ValueError) as err:
                     error = error or f"{entry.canonical}: {err}"
     _agree(error)
+    drop_kept_experts("the weights were replaced by their quantized round trip")  # LLEP's copies are stale now
     return changed
 
