@@ -152,10 +152,28 @@ def exported(tmp_path_factory):
     gpt_model = W.save_tiny_model(gpt_bf16, gpt_mxfp4)
     ds_bf16, ds_fp8 = str(root / "deepseek_bf16"), str(root / "deepseek_fp8")
     D.build_reference(ds_bf16, D.tiny_hf_config(rope_interleave=True))
-    dequantized = D.fp8_checkpoint(ds_bf16, ds_fp8, (16, 16))  # several blocks per weight, partial edges
+    # several blocks per weight, all full: transformers' Fp8Dequantize infers the block from the scale grid (the
+    # 24-row weight in 16-row blocks would come out in 12-row ones); partial edges: the CLI test
+    dequantized = D.fp8_checkpoint(ds_bf16, ds_fp8, (8, 16))
     (results, _) = run_distributed(Q.run, 2, gpt_mxfp4, ds_fp8, str(root), timeout_s=300)
     return dict(root=root, gpt_mxfp4=gpt_mxfp4, gpt_model=gpt_model, ds_bf16=ds_bf16, ds_fp8=ds_fp8,
                 ds_dequantized=dequantized, results=results)
+
+
+def _edited_copy(directory: str, out: str, suffix: str, edit) -> str:
+    """A copy of the export ``directory`` at ``out`` with ``edit`` applied in place to the first
+    tensor whose name ends with ``suffix``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(directory, out)
+    for file in sorted(glob.glob(os.path.join(out, "*.safetensors"))):
+        tensors = load_file(file)
+        name = next((n for n in sorted(tensors) if n.endswith(suffix)), None)
+        if name:
+            edit(tensors[name])
+            save_file(tensors, file, metadata={"format": "pt"})
+            return out
+    raise AssertionError(f"no tensor ending with {suffix} in {directory}")
 
 
 def _gpt_oss_logits(directory: str, ids: torch.Tensor) -> torch.Tensor:
@@ -188,41 +206,26 @@ def test_transformers_loads_the_mxfp4_export_and_a_flipped_nibble_fails(exported
     assert torch.equal(_gpt_oss_logits(out, ids), reference)
     assert torch.equal(_gpt_oss_logits(os.path.join(exported["root"], "gpt_oss_fresh"), ids), reference)
     # negative control: one nibble flipped in a copy of the export
-    from safetensors.torch import load_file, save_file
-
-    broken = str(tmp_path / "flipped")
-    shutil.copytree(out, broken)
-    for file in sorted(glob.glob(os.path.join(broken, "*.safetensors"))):
-        tensors = load_file(file)
-        name = next((n for n in tensors if n.endswith("down_proj_blocks")), None)
-        if name:
-            tensors[name].view(-1)[0] ^= 0x07
-            save_file(tensors, file, metadata={"format": "pt"})
-            break
+    broken = _edited_copy(out, str(tmp_path / "flipped"), "down_proj_blocks",
+                          lambda t: t.view(-1)[:1].bitwise_xor_(0x07))
     assert not _same_checkpoint(_tensors(exported["gpt_mxfp4"]), _tensors(broken))
     assert not torch.equal(_gpt_oss_logits(broken, ids), reference)
 
 
-def _fp8_dequantized_dir(source: str, directory: str) -> str:
-    """``source`` with every FP8 weight dequantized by DeepSeek's formula, written here
-    (``fp8.float() * scale_inv`` of its block in float32, rounded to bf16; partial edge blocks):
-    transformers' own FP8 loading needs accelerate, which the test environment lacks, and its
-    Fp8Dequantize infers the block from the grid (full blocks only)."""
-    tensors = _tensors(source)
-    with open(os.path.join(source, "config.json")) as f:
-        config = json.load(f)
-    bm, bn = config.pop("quantization_config")["weight_block_size"]
-    for name in [n for n in tensors if n.endswith("_scale_inv")]:
-        weight = name[: -len("_scale_inv")]
-        scale = tensors.pop(name)
-        rows, cols = tensors[weight].shape
-        expand = scale.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
-        tensors[weight] = (tensors[weight].to(torch.float32) * expand).to(torch.bfloat16)
-    D.write_checkpoint(directory, config, tensors)
-    return directory
+def _deepseek_fp8_logits(directory: str, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits of an FP8 DeepSeek-V3 directory, dequantized by transformers as it loads
+    (each FP8 weight times its block's ``weight_scale_inv``, in float32: the model's dtype)."""
+    from transformers import DeepseekV3ForCausalLM, FineGrainedFP8Config
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # it lists the MTP layer's tensors, which transformers does not load
+    model = DeepseekV3ForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+                                                  quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    with torch.no_grad():
+        return model(ids).logits
 
 
-def test_deepseek_fp8_round_trip_is_bit_identical_and_loads(exported, tmp_path):
+def test_deepseek_fp8_round_trip_is_bit_identical_and_transformers_loads_it(exported, tmp_path):
     out = os.path.join(exported["root"], "deepseek_round_trip")
     source, mine = _tensors(exported["ds_fp8"]), _tensors(out)
     assert _same_checkpoint(source, mine)
@@ -231,23 +234,19 @@ def test_deepseek_fp8_round_trip_is_bit_identical_and_loads(exported, tmp_path):
     stats = exported["results"]["deepseek-v3"]["round_trip"].quantization
     assert sorted(stats) == ["attention", "dense mlp", "mtp eh_proj", "routed experts", "shared experts"]
     assert all(s.max_abs == 0.0 and s.reused == s.blocks > 0 for s in stats.values())
-    # transformers' logits of the export (dequantized by transformers) = those of the dequantized source
+    # transformers loading the export = transformers running the source's dequantized values (float32)
     ids = torch.randint(2, D.tiny_hf_config()["vocab_size"], (D.BATCH, D.SEQ), generator=torch.Generator().manual_seed(0))
-    plain = {**_tensors(exported["ds_bf16"]), **{n: v.to(torch.bfloat16) for n, v in exported["ds_dequantized"].items()}}
     with open(os.path.join(exported["ds_bf16"], "config.json")) as f:
         config = json.load(f)
+    plain = {**_tensors(exported["ds_bf16"]), **exported["ds_dequantized"]}
     D.write_checkpoint(str(tmp_path / "reference"), config, plain)
     reference = D.hf_logits(str(tmp_path / "reference"), ids)
-    assert torch.equal(D.hf_logits(_fp8_dequantized_dir(out, str(tmp_path / "mine")), ids), reference)
-    # negative control: one scale_inv doubled
-    flipped = dict(mine)
-    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"  # (transformers does not load the MTP layer)
-    flipped[name] = flipped[name].clone()
-    flipped[name].view(-1)[0] *= 2
-    assert not _same_checkpoint(source, flipped)
-    D.write_checkpoint(str(tmp_path / "flipped_src"), json.load(open(os.path.join(out, "config.json"))), flipped)
-    assert not torch.equal(D.hf_logits(_fp8_dequantized_dir(str(tmp_path / "flipped_src"), str(tmp_path / "flipped")),
-                                       ids), reference)
+    assert torch.equal(_deepseek_fp8_logits(out, ids), reference)
+    # negative control: one scale_inv doubled (transformers does not load the MTP layer: a layer-0 one)
+    broken = _edited_copy(out, str(tmp_path / "doubled"), "model.layers.0.self_attn.o_proj.weight_scale_inv",
+                          lambda t: t.view(-1)[:1].mul_(2))
+    assert not _same_checkpoint(source, _tensors(broken))
+    assert not torch.equal(_deepseek_fp8_logits(broken, ids), reference)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,15 +359,18 @@ def _cli(args: list) -> "subprocess.CompletedProcess":
 
 
 def test_cli_fp8_import_then_export_gives_the_source_back(exported, tmp_path):
-    """``python -m recipes.hf import`` of the FP8 checkpoint, then ``export --quant-source``: the
-    source bit for bit, the error report and the logit check printed once, both zero (the refusal
-    without a precision flag: test_export_flags_are_refused_where_the_round_trip_cannot_hold)."""
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    result = _cli(["import", "--hf", exported["ds_fp8"], "--recipe", "deepseek-v3-tiny", "--out", ckpt])
+    """``python -m recipes.hf import`` of an FP8 checkpoint in 16 x 16 blocks with partial edges
+    (the release's kv_a_proj_with_mqa: 576 rows in 128-row blocks), then ``export --quant-source``:
+    the source bit for bit, the error report and the logit check printed once, both zero (the
+    refusal without a precision flag: test_export_flags_are_refused_where_the_round_trip_cannot_hold)."""
+    source, ckpt, out = str(tmp_path / "source"), str(tmp_path / "ckpt"), str(tmp_path / "out")
+    D.fp8_checkpoint(exported["ds_bf16"], source, (16, 16))
+    assert any(t.shape[0] % 16 for n, t in _tensors(source).items() if n.endswith("kv_a_proj_with_mqa.weight"))
+    result = _cli(["import", "--hf", source, "--recipe", "deepseek-v3-tiny", "--out", ckpt])
     assert result.returncode == 0, result.stderr[-3000:]
-    result = _cli(["export", "--load", ckpt, "--out", out, "--quant-source", exported["ds_fp8"]])
+    result = _cli(["export", "--load", ckpt, "--out", out, "--quant-source", source])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert _same_checkpoint(_tensors(exported["ds_fp8"]), _tensors(out))
+    assert _same_checkpoint(_tensors(source), _tensors(out))
     lines = [line for line in result.stdout.splitlines() if "quantization error" in line]
     assert len(lines) == 5 and all("max abs 0.000e+00, relative 0.000e+00" in line for line in lines), result.stdout
     assert result.stdout.count("logit difference, exported vs as trained") == 1
