@@ -4,6 +4,7 @@
     python benchmarks/memory_account.py --hot 1 --budget-margin 0.05     # LLEP under the row budget
     python benchmarks/memory_account.py --ep 8 --shape gpt-oss-120b deepseek-v3 kimi-k2 --quiet --top 8 \\
         --out results/memory_grid_p8.json                                # the paper's grid at P = 8
+    python benchmarks/memory_account.py --max-kept-weight-bytes 0       # borrowed copies not kept for the step
 
 On ``--ep`` gloo ranks (default 2; shapes of benchmarks/layer_cpu.py: the SPEC's layers with widths
 / 8, tokens / 16 and N = the paper's experts per rank x P; forced routing, 95 % of tokens into h
@@ -53,7 +54,7 @@ def row_budget(shape: LayerShape, margin: Optional[float]) -> Optional[int]:
     return None if margin is None else math.ceil(shape.tokens_per_gpu * shape.topk * (1 + margin))
 
 
-def _layers(shape: LayerShape, ep: int, budget: Optional[int], rank: int):
+def _layers(shape: LayerShape, ep: int, budget: Optional[int], rank: int, max_kept: Optional[int]):
     """Stock EP, LLEP (same weights) and the balanced ideal (stock EP on balanced routing)."""
     import torch
 
@@ -64,7 +65,8 @@ def _layers(shape: LayerShape, ep: int, budget: Optional[int], rank: int):
 
     cfg = moe_config(shape.num_experts, shape.hidden, shape.ffn, shape.topk, ep, gpt_oss_experts=shape.bias)
     min_chunk = layer_cpu.MIN_CHUNK * shape.tokens_per_gpu // layer_cpu.CPU_SHAPES[0].tokens_per_gpu
-    llep_cfg = LLEPConfig(min_chunk_tokens=max(4, min_chunk), cost_model=CostModel.cpu(), max_tokens_per_rank=budget)
+    llep_cfg = LLEPConfig(min_chunk_tokens=max(4, min_chunk), cost_model=CostModel.cpu(), max_tokens_per_rank=budget,
+                          max_kept_weight_bytes=max_kept)
     torch.manual_seed(0)
     stock, llep, ideal = (build_moe_layer(cfg, c, seed=3, weight_scale=0.05) for c in (None, llep_cfg, None))
     force_routing(ideal.router, imbalanced_topk(shape.tokens_per_gpu, shape.num_experts, shape.topk, 0.0, 0, seed=17 + rank))
@@ -72,7 +74,7 @@ def _layers(shape: LayerShape, ep: int, budget: Optional[int], rank: int):
 
 
 def _account(rank: int, world: int, shape_names: list, hot: list, tokens: int, hidden: int,
-             budget_margin: Optional[float], stacks: bool, rss: int, top: int) -> list[dict]:
+             budget_margin: Optional[float], max_kept: Optional[int], stacks: bool, rss: int, top: int) -> list[dict]:
     import torch
 
     from megatron_llep.scenarios import force_routing, imbalanced_topk
@@ -84,7 +86,7 @@ def _account(rank: int, world: int, shape_names: list, hot: list, tokens: int, h
     for shape_name in shape_names:
         shape = cpu_shape(shape_name, world, tokens, hidden)
         budget = row_budget(shape, budget_margin)
-        stock, llep, ideal = _layers(shape, world, budget, rank)
+        stock, llep, ideal = _layers(shape, world, budget, rank, max_kept)
         x = torch.randn(shape.tokens_per_gpu, 1, shape.hidden, generator=torch.Generator().manual_seed(rank))
         for h in hot:
             scenario = Scenario(0.95, h)
@@ -93,7 +95,8 @@ def _account(rank: int, world: int, shape_names: list, hot: list, tokens: int, h
                 force_routing(layer.router, ids)
             row = {"shape": shape.name, "scenario": scenario.label, "rank": rank, "ep": world,
                    "tokens_per_rank": shape.tokens_per_gpu, "hidden": shape.hidden, "ffn": shape.ffn,
-                   "experts": shape.num_experts, "topk": shape.topk, "max_tokens_per_rank": budget}
+                   "experts": shape.num_experts, "topk": shape.topk, "max_tokens_per_rank": budget,
+                   "max_kept_weight_bytes": max_kept}
             trackers = {}
             for name, layer in (("ep", stock), ("llep", llep), ("balanced", ideal)):
                 layer.zero_grad(set_to_none=True)
@@ -169,7 +172,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (shape, scenario), group in groups.items():
         s = {"shape": shape, "scenario": scenario, "ep": group[0]["ep"], "mode": group[0]["mode"],
              "max_mean_before": group[0]["max_mean_before"], "max_mean_after": group[0]["max_mean_after"],
-             "max_tokens_per_rank": group[0]["max_tokens_per_rank"], "routing": "forced"}
+             "max_tokens_per_rank": group[0]["max_tokens_per_rank"],
+             "max_kept_weight_bytes": group[0]["max_kept_weight_bytes"], "routing": "forced"}
         for name in ("ep", "llep", "balanced"):
             s[f"{name}_peak_mb_per_rank"] = [r[f"{name}_peak_mb"] for r in group]
             s[f"{name}_peak_max_mb"] = max(s[f"{name}_peak_mb_per_rank"])
@@ -183,11 +187,13 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def account(hot: list, tokens: int = 0, hidden: int = 0, stacks: bool = True, rss: int = 0, ep: int = layer_cpu.EP_SIZE,
-            shapes: tuple = ("gpt-oss-120b",), budget_margin: Optional[float] = None, top: int = 40) -> list[dict]:
+            shapes: tuple = ("gpt-oss-120b",), budget_margin: Optional[float] = None, max_kept: Optional[int] = None,
+            top: int = 40) -> list[dict]:
     """Per rank, shape and scenario rows (every rank's)."""
     from megatron_llep.testing.distributed import run_distributed
 
-    results = run_distributed(_account, ep, list(shapes), hot, tokens, hidden, budget_margin, stacks, rss, top, timeout_s=3600)
+    results = run_distributed(_account, ep, list(shapes), hot, tokens, hidden, budget_margin, max_kept, stacks, rss, top,
+                              timeout_s=3600)
     return [row for rank_rows in results for row in rank_rows]
 
 
@@ -220,6 +226,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=0, help="hidden = ffn width (default: the layer_cpu shape's)")
     parser.add_argument("--budget-margin", type=float, default=None, help="set LLEPConfig.max_tokens_per_rank to the "
                         "balanced run's rows per rank x (1 + this)")
+    parser.add_argument("--max-kept-weight-bytes", type=int, default=None, help="LLEPConfig.max_kept_weight_bytes "
+                        "(default None: every borrowed expert kept for the step; 0: none kept)")
     parser.add_argument("--rss", type=int, default=0, help="also the peak resident-set rise of each step (benchmarks/"
                         "cpu_memory.py), minimum of this many alternating runs")
     parser.add_argument("--quiet", action="store_true", help="print only the summary table")
@@ -228,7 +236,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = account(args.hot, args.tokens, args.hidden, rss=args.rss, ep=args.ep, shapes=tuple(args.shape),
-                   budget_margin=args.budget_margin, top=args.top)
+                   budget_margin=args.budget_margin, max_kept=args.max_kept_weight_bytes, top=args.top)
     if not args.quiet:
         for r in rows:
             _print_rank_row(r)
@@ -242,7 +250,8 @@ def main() -> None:
     ])
     write_results(args.out, "memory_account", rows, {
         "ep_size": args.ep, "shapes": args.shape, "hot": args.hot, "routing": "forced", "tokens": args.tokens,
-        "hidden": args.hidden, "budget_margin": args.budget_margin, "rss_runs": args.rss, "top": args.top, "summary": summary})
+        "hidden": args.hidden, "budget_margin": args.budget_margin,
+        "max_kept_weight_bytes": args.max_kept_weight_bytes, "rss_runs": args.rss, "top": args.top, "summary": summary})
 
 
 if __name__ == "__main__":
