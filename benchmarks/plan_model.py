@@ -324,7 +324,7 @@ def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: in
                 "weights": handling, "step_ms": step_s * 1e3, "ideal_ms": (k + 1) * ideal * 1e3,
                 "llep_vs_ideal": step_s / ((k + 1) * ideal), "grad_return_ms": return_s * 1e3,
                 "weight_gb": copies * es.weight_bytes / 1e9,
-                "grad_gb": (transient + held.sum()) * es.weight_bytes / 1e9,
+                "grad_gb": (transient * es.weight_bytes + held.sum() * 4 * es.num_params) / 1e9,  # kept: fp32
                 "cross_node_weight_gb": crossing * es.weight_bytes / 1e9,
                 "cross_node_grad_gb": (crossing_transient * es.weight_bytes + return_crossing) / 1e9,
                 "kept_copies": int(held.sum()),

@@ -193,7 +193,10 @@ class KeptLedger:
                     work.wait()
             for expert, buffers in into:
                 if expert // local == self.rank:
-                    sums = received.setdefault(expert - first_local_expert, [torch.zeros_like(b) for b in buffers])
+                    sums = received.get(expert - first_local_expert)
+                    if sums is None:  # the first copy's buffers hold the sum: no zero-filled sums beside them
+                        received[expert - first_local_expert] = buffers
+                        continue
                     for total, part in zip(sums, buffers):
                         total.add_(part)
                 else:
