@@ -340,7 +340,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         config = self.llep_config
         plan = plan_llep(counts, config, self.expert_shape, self.layer_number, held=self.ledger.held_for(self),
                          keep_room=self.ledger.room(self.kept_copy_bytes, config.max_kept_weight_bytes))
-        self.ledger.record(self, plan, self.kept_copy_bytes)
+        # training drops its copies at the step's end; evaluation keeps them while plans use them
+        self.ledger.record(self, plan, self.kept_copy_bytes, drop_unused=not self.training)
         plan_time = time.perf_counter() - start
         if self.llep_config.record_stats:
             self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)

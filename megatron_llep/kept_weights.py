@@ -24,7 +24,8 @@ When the gradients go back (the step's gradient reduction must see them):
 Copies are dropped after that return, and whenever the weights may change: a torch optimizer's
 step (a global pre-hook, which also refuses to step while gradients are still away), a state-dict
 load, a switch between training and evaluation, a placement change (:func:`drop_kept_experts`).
-Under evaluation the copies stay across forwards until one of those. A rank that drops on its own
+Under evaluation the copies stay across forwards until one of those, as long as each plan uses
+them (a copy the next plan neither computes with nor relays from is dropped then). A rank that drops on its own
 bumps its epoch; the next plan's count all-gather carries the epochs and every rank drops too.
 """
 
@@ -103,12 +104,24 @@ class KeptLedger:
             return None
         return np.maximum(bound - self.used, 0) // max(copy_bytes, 1)
 
-    def record(self, layer: Any, plan, copy_bytes: int) -> None:
-        """Add ``plan``'s kept copies (``LLEPPlan.transfer_kept``) to the ledger."""
+    def record(self, layer: Any, plan, copy_bytes: int, drop_unused: bool = False) -> None:
+        """Add ``plan``'s kept copies (``LLEPPlan.transfer_kept``) to the ledger. ``drop_unused``
+        (evaluation, where copies outlive the step) first drops the layer's copies this plan
+        neither computes with nor relays from, so the copies kept stay those of one plan."""
+        held = self.held.get(layer)
+        if drop_unused and held is not None:
+            used = np.zeros_like(held)
+            used[plan.chunk_expert, plan.chunk_dst] = True
+            used[plan.transfer_expert, plan.transfer_source] = True
+            for expert, rank in zip(*np.nonzero(held & ~used)):
+                self.used[rank] -= copy_bytes
+                if rank == self.rank:
+                    layer.kept.weights.pop(int(expert), None)
+                    layer.kept.gradients.pop(int(expert), None)
+            held &= used
         kept = getattr(plan, "transfer_kept", None)
         if kept is None or not np.any(kept):
             return
-        held = self.held.get(layer)
         if held is None:
             held = self.held[layer] = np.zeros((plan.num_experts, self.ep_size), bool)
         experts, helpers = plan.transfer_expert[kept], plan.transfer_helper[kept]

@@ -252,3 +252,59 @@ def accumulate_without_ddp(rank: int, world: int, microbatches: int = 3) -> dict
     before_finish = error()
     kept_weights.finish_borrowed_gradients(llep)
     return {"before_finish": before_finish, "after_finish": error()}
+
+
+def evaluation_keeps_copies(rank: int, world: int) -> dict:
+    """Evaluation: the copies a forward received serve the next forwards (no new copy, outputs
+    still stock EP's); a state-dict load drops them, so the forward after it computes with the new
+    weights. Negative control ("stale"): with the load hook off, it computes with the old copies."""
+    from megatron_llep.layer import LLEPMoELayer
+    from megatron_llep.scenarios import imbalanced_topk
+    from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
+
+    parallel_state.destroy_model_parallel()
+    init_expert_parallel(world)
+    cfg = moe_config(EXPERTS, 16, 12, TOPK, world, moe_enable_routing_replay=True)
+    stock = build_moe_layer(cfg, None, seed=3).eval()
+    llep = build_moe_layer(cfg, LLEPConfig(min_chunk_tokens=1, cost_aware=False, imbalance_threshold=1.05), seed=3).eval()
+    ids = imbalanced_topk(24, EXPERTS, TOPK, 0.9, 1, seed=rank)
+    x = torch.randn(24, 1, 16, generator=torch.Generator().manual_seed(rank))
+    copies = []
+    start = ExpertWeightExchange.start
+
+    def counting_start(exchange):
+        if not exchange._posted:
+            copies.append(len(exchange.receives))
+        start(exchange)
+
+    per_forward = []
+
+    def error() -> float:
+        before = sum(copies)
+        with torch.no_grad():
+            for layer in (stock, llep):
+                force_routing(layer.router, ids)
+            ours, ref = llep(x)[0], stock(x)[0]
+        per_forward.append(sum(copies) - before)
+        return float((ours - ref).abs().max() / ref.abs().max())
+
+    result = {}
+    ExpertWeightExchange.start = counting_start
+    invalidate = kept_weights.KeptLedger.invalidate
+    try:
+        result["first"], result["second"] = error(), error()
+        result["copies"] = list(per_forward)
+        for broken in (False, True):
+            if broken:
+                kept_weights.KeptLedger.invalidate = lambda ledger, reason: None
+                error()  # the copies of the current weights are kept again
+            state = {k: v * 1.5 if "experts" in k and torch.is_tensor(v) and v.is_floating_point() else v
+                     for k, v in stock.state_dict().items()}
+            stock.load_state_dict(state)
+            llep.load_state_dict(state)
+            result["after_load_stale" if broken else "after_load"] = error()
+    finally:
+        ExpertWeightExchange.start = start
+        kept_weights.KeptLedger.invalidate = invalidate
+    dist.barrier()
+    return result

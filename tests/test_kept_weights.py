@@ -10,7 +10,7 @@ import pytest
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError
 from megatron_llep.testing.distributed import run_distributed
-from step_worker import StepCase, accumulate_without_ddp, train_both
+from step_worker import StepCase, accumulate_without_ddp, evaluation_keeps_copies, train_both
 
 TWO_RANKS = [
     StepCase("sync-grad-reduce", ep=2, overlap_grad_reduce=False),
@@ -80,3 +80,12 @@ def test_a_loop_without_ddp_accumulates_and_finishes_the_step():
     results = run_distributed(accumulate_without_ddp, 2, timeout_s=300)
     assert max(r["after_finish"] for r in results) < 1e-5, results
     assert max(r["before_finish"] for r in results) > 1e-2, results
+
+
+def test_evaluation_keeps_copies_until_the_weights_change():
+    results = run_distributed(evaluation_keeps_copies, 2, timeout_s=300)
+    for r in results:
+        assert max(r["first"], r["second"], r["after_load"]) < 1e-5, r
+    copies = [r["copies"] for r in results]
+    assert sum(c[0] for c in copies) > 0 and sum(c[1] for c in copies) == 0, copies  # the second forward copies nothing
+    assert max(r["after_load_stale"] for r in results) > 1e-2, results  # control: old copies after the load
