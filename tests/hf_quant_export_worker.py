@@ -35,8 +35,9 @@ def _exports(model, family, source_dir: str, out_root: str, prefix: str, recipe_
     def export(name: str, source, dtype=torch.bfloat16, quantized: bool = True):
         quantizer = ExportQuantizer(module.QUANTIZED_HF, source_config, source) if quantized else None
         config = quantized_config if quantized else exported_config(source_config, recipe_config)
+        layout = source.weight_map() if source is not None else None  # as the CLI: --quant-source's shards
         return export_hf_checkpoint([model], family, os.path.join(out_root, f"{prefix}_{name}"), config, dtype=dtype,
-                                    max_shard_bytes=64 * 1024, verbose=False, quantizer=quantizer)
+                                    max_shard_bytes=64 * 1024, verbose=False, quantizer=quantizer, shard_layout=layout)
 
     out = dict(round_trip=export("round_trip", HFCheckpoint(source_dir)), fresh=export("fresh", None))
     _nudge(model, 2e-2)

@@ -145,11 +145,50 @@ def _same_checkpoint(a: dict, b: dict) -> bool:
                                           for n in a)
 
 
+def _shard_by_layer(directory: str) -> None:
+    """Rewrite ``directory``'s safetensors as a release lays them out: one shard per decoder layer,
+    the rest (embedding, final norm, head) in the last, listed by a new index (a layout no size
+    bound gives)."""
+    tensors = _tensors(directory)
+    for file in glob.glob(os.path.join(directory, "model*.safetensors*")):
+        os.remove(file)
+    layers = sorted({int(n.split(".")[2]) for n in tensors if n.startswith("model.layers.")})
+    count = len(layers) + 1
+    shard_of = {n: f"model-{(int(n.split('.')[2]) if n.startswith('model.layers.') else len(layers)) + 1:05d}-of-"
+                   f"{count:05d}.safetensors" for n in tensors}
+    from safetensors.torch import save_file
+
+    for file in sorted(set(shard_of.values())):
+        save_file({n: t for n, t in tensors.items() if shard_of[n] == file}, os.path.join(directory, file),
+                  metadata={"format": "pt"})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": shard_of}, f)
+
+
+def _source_layout(directory: str) -> tuple[dict, dict]:
+    """The source's own ``weight_map`` and each shard file's tensor names read from its safetensors
+    header (an independent reference: the files, not the code's reader)."""
+    with open(os.path.join(directory, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    return weight_map, _header_names(directory)
+
+
+def _header_names(directory: str) -> dict:
+    """Shard file -> sorted tensor names, from each safetensors file's JSON header."""
+    out = {}
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        out[os.path.basename(file)] = sorted(n for n in header if n != "__metadata__")
+    return out
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant_export")
     gpt_bf16, gpt_mxfp4 = str(root / "gpt_oss_bf16"), str(root / "gpt_oss_mxfp4")
     gpt_model = W.save_tiny_model(gpt_bf16, gpt_mxfp4)
+    _shard_by_layer(gpt_mxfp4)
     ds_bf16, ds_fp8 = str(root / "deepseek_bf16"), str(root / "deepseek_fp8")
     D.build_reference(ds_bf16, D.tiny_hf_config(rope_interleave=True))
     # several blocks per weight, all full: transformers' Fp8Dequantize infers the block from the scale grid (the
@@ -189,14 +228,62 @@ def test_gpt_oss_mxfp4_round_trip_is_bit_identical(exported):
     source, mine = _tensors(exported["gpt_mxfp4"]), _tensors(out)
     assert _same_checkpoint(source, mine)
     assert any(n.endswith("_blocks") for n in mine) and any(n.endswith("_scales") for n in mine)
-    with open(os.path.join(out, "model.safetensors.index.json")) as f:
-        assert sorted(json.load(f)["weight_map"]) == sorted(source)
-    assert len(exported["results"]["gpt-oss"]["round_trip"].files) > 1  # 64 KiB shards
     with open(os.path.join(exported["gpt_mxfp4"], "config.json")) as f, open(os.path.join(out, "config.json")) as g:
         assert json.load(f) == json.load(g)  # quantization_config included
     stats = exported["results"]["gpt-oss"]["round_trip"].quantization
     assert sorted(stats) == ["experts down_proj (fc2)", "experts gate_up_proj (fc1)"]
     assert all(s.max_abs == 0.0 and s.reused == s.blocks > 0 for s in stats.values())
+
+
+def _assert_source_layout(source: str, out: str) -> None:
+    """``out``'s index and every shard file's tensor set are the source's."""
+    weight_map, headers = _source_layout(source)
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        assert json.load(f)["weight_map"] == weight_map
+    assert _header_names(out) == headers
+    assert len(headers) > 1
+
+
+@pytest.mark.parametrize("family, prefix, source", [("gpt-oss", "gpt_oss", "gpt_mxfp4"),
+                                                    ("deepseek-v3", "deepseek", "ds_fp8")])
+def test_export_with_a_source_keeps_its_shard_layout(exported, family, prefix, source):
+    """--quant-source's shards: the round trip and the trained export have the source's index and
+    shard files; without a source (fresh scales, fp32) the 64 KiB size bound lays them out, which
+    differs (the negative control)."""
+    weight_map, headers = _source_layout(exported[source])
+    for name in ("round_trip", "tuned"):
+        _assert_source_layout(exported[source], os.path.join(exported["root"], f"{prefix}_{name}"))
+        assert exported["results"][family][name].notes == []
+    fresh = os.path.join(exported["root"], f"{prefix}_fresh")
+    with open(os.path.join(fresh, "model.safetensors.index.json")) as f:
+        fresh_map = json.load(f)["weight_map"]
+    assert sorted(fresh_map) == sorted(weight_map) and fresh_map != weight_map
+    assert _header_names(fresh) != headers
+
+
+def test_writer_layout_single_file_and_tensors_outside_the_source(tmp_path):
+    """A single-file source gives one model.safetensors (no index); a tensor the source lacks goes
+    to an extra shard with a note; a source tensor that never arrives is named in a note."""
+    from safetensors.torch import load_file
+
+    from recipes.hf.checkpoint import EXTRA_SHARD, HFCheckpointWriter
+
+    single = str(tmp_path / "single")
+    writer = HFCheckpointWriter(single, layout={"a": "model.safetensors", "b": "model.safetensors"})
+    writer.add("b", torch.ones(3))
+    writer.add("a", torch.zeros(2))
+    assert writer.close() == ["model.safetensors"] and writer.notes == []
+    assert sorted(os.listdir(single)) == ["model.safetensors"]
+    assert sorted(load_file(os.path.join(single, "model.safetensors"))) == ["a", "b"]
+
+    extra = str(tmp_path / "extra")
+    writer = HFCheckpointWriter(extra, layout={"a": "model.safetensors", "gone": "model.safetensors"})
+    writer.add("a", torch.zeros(2))
+    writer.add("mtp", torch.zeros(2))
+    assert sorted(writer.close()) == sorted(["model.safetensors", EXTRA_SHARD])
+    assert len(writer.notes) == 2 and "gone" in writer.notes[0] and "mtp" in writer.notes[1]
+    with open(os.path.join(extra, "model.safetensors.index.json")) as f:
+        assert json.load(f)["weight_map"] == {"a": "model.safetensors", "mtp": EXTRA_SHARD}
 
 
 def test_transformers_loads_the_mxfp4_export_and_a_flipped_nibble_fails(exported, tmp_path):
@@ -371,6 +458,7 @@ def test_cli_fp8_import_then_export_gives_the_source_back(exported, tmp_path):
     result = _cli(["export", "--load", ckpt, "--out", out, "--quant-source", source])
     assert result.returncode == 0, result.stderr[-3000:]
     assert _same_checkpoint(_tensors(source), _tensors(out))
+    _assert_source_layout(source, out)
     lines = [line for line in result.stdout.splitlines() if "quantization error" in line]
     assert len(lines) == 5 and all("max abs 0.000e+00, relative 0.000e+00" in line for line in lines), result.stdout
     assert result.stdout.count("logit difference, exported vs as trained") == 1

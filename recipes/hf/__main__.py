@@ -17,7 +17,8 @@ experts in their original order even if the run used a CAP placement)::
 A model imported from a quantized checkpoint (config.json's ``quantization_config``: gpt-oss's MXFP4
 experts, DeepSeek-V3's block FP8) is exported in that precision, with the same tensor names and
 quantization_config: ``--quant-source DIR`` (the checkpoint imported) lends its block scales, so
-every block training left unchanged comes out bit for bit as it went in; ``--fresh-scales``
+every block training left unchanged comes out bit for bit as it went in, and its shard layout (each
+tensor in the shard file its index names; ``--max-shard-size-gib`` applies without it); ``--fresh-scales``
 computes new scales for every block; ``--dequantized`` writes plain ``--dtype`` weights instead.
 One of them is required for such a model. The export prints the quantization error per tensor
 group and its peak memory per rank.
@@ -65,11 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     exp.add_argument("--expert-model-parallel-size", type=int, default=None, help="default: world / (TP x PP)")
     exp.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the written tensors")
-    exp.add_argument("--max-shard-size-gib", type=float, default=5.0)
+    exp.add_argument("--max-shard-size-gib", type=float, default=5.0,
+                     help="shard size bound, unless --quant-source gives the source's shard layout")
     precision = exp.add_mutually_exclusive_group()
     precision.add_argument("--quant-source", default=None, metavar="DIR",
                            help="the quantized Hugging Face checkpoint the model was imported from: export in its "
-                                "precision, reusing its block scales (unchanged blocks are bit-identical)")
+                                "precision and shard layout, reusing its block scales (unchanged blocks are bit-identical)")
     precision.add_argument("--fresh-scales", action="store_true",
                            help="export in the source's precision (quantization_config) with new scales for every block")
     precision.add_argument("--dequantized", action="store_true",
@@ -260,6 +262,7 @@ def run_export(args: argparse.Namespace) -> str:
         recipe = finetune.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
                                       cpu=device.type == "cpu")
         quantizer = export_quantizer(args, hf_config, family, device=device if device.type == "cuda" else None)
+        shard_layout = quantizer.source.weight_map() if quantizer is not None and quantizer.source is not None else None
     except (ValueError, checkpointing.CheckpointError) as err:
         _fail(str(err))
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
@@ -281,7 +284,7 @@ def run_export(args: argparse.Namespace) -> str:
     try:
         report = export_hf_checkpoint([model], recipe_name, args.out, config_json,
                                       dtype=export_dtype, placement=placement, max_shard_bytes=int(args.max_shard_size_gib * 2**30),
-                                      quantizer=quantizer)
+                                      quantizer=quantizer, shard_layout=shard_layout)
     except ConversionError as err:
         _fail(str(err))
     for line in error_report(report.quantization):

@@ -97,6 +97,10 @@ class HFCheckpoint:
     def shards(self) -> list[str]:
         return sorted(set(self._shard_of.values()))
 
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> shard file (a single-file checkpoint: every name -> ``model.safetensors``)."""
+        return dict(self._shard_of)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._read(name, lambda h: h.get_slice(name).get_shape()))
 
@@ -211,70 +215,112 @@ def _close(handle) -> None:
             pass
 
 
+EXTRA_SHARD = "model-not-in-source.safetensors"
+
+
 class HFCheckpointWriter:
     """Write tensors as ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes``
     (a single tensor larger than that gets a shard of its own), ``model.safetensors.index.json``
     and ``config.json``. Tensors are cast to ``dtype`` (bf16 by default; ``None`` keeps theirs).
-    Call :meth:`add` in the order the shards should hold them and :meth:`close` at the end."""
+    Call :meth:`add` in the order the shards should hold them and :meth:`close` at the end.
+
+    With ``layout`` (a source checkpoint's :meth:`HFCheckpoint.weight_map`) every tensor goes into
+    the shard file the source names instead, so the index equals the source's (a single-file source
+    gives a single ``model.safetensors``, no index). A shard is held only until all its tensors
+    have arrived, then written; tensors the source lacks go to ``model-not-in-source.safetensors``,
+    and :attr:`notes` says so (and names source tensors that never arrived)."""
 
     def __init__(self, directory: str, config: Optional[dict] = None, dtype: Optional[torch.dtype] = torch.bfloat16,
-                 max_shard_bytes: int = 5 * 2**30) -> None:
+                 max_shard_bytes: int = 5 * 2**30, layout: Optional[dict[str, str]] = None) -> None:
         self.directory = directory
         self.config = config
         self.dtype = dtype
         self.max_shard_bytes = max_shard_bytes
+        self.layout = dict(layout) if layout is not None else None
         os.makedirs(directory, exist_ok=True)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._written: list[tuple[str, list[str]]] = []  # (temporary file, names)
+        self._written: list[tuple[str, str, list[str]]] = []  # (temporary file, layout's shard file or "", names)
+        self._missing: dict[str, set[str]] = {}  # layout: shard file -> names not yet added
+        for name, shard in (self.layout or {}).items():
+            self._missing.setdefault(shard, set()).add(name)
+        self._held: dict[str, dict[str, torch.Tensor]] = {}  # layout: shard file -> tensors added so far
+        self._names: set[str] = set()
+        self.notes: list[str] = []
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor, dtype: Optional[torch.dtype] = None) -> None:
         """Queue ``tensor`` as ``name``, cast to ``dtype`` (default: the writer's); float8 tensors
         (quantized weights) and integer ones are written as they are."""
-        if name in self._pending or any(name in names for _, names in self._written):
+        if name in self._names:
             raise HFCheckpointError(f"{name}: written twice")
+        self._names.add(name)
         tensor = tensor.detach().to("cpu")
         dtype = dtype or self.dtype
         if dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1:  # float8: quantized, kept
             tensor = tensor.to(dtype)
         tensor = tensor.contiguous()
         size = tensor.numel() * tensor.element_size()
+        self.total_bytes += size
+        if self.layout is not None:
+            shard = self.layout.get(name, EXTRA_SHARD)
+            self._held.setdefault(shard, {})[name] = tensor
+            missing = self._missing.get(shard)
+            if missing is not None:
+                missing.discard(name)
+                if not missing:  # complete: write it now, so at most the shards in progress stay in memory
+                    self._write(shard, self._held.pop(shard))
+            return
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()
         self._pending[name] = tensor
         self._pending_bytes += size
-        self.total_bytes += size
 
     def add_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in tensors:
             self.add(name, tensor)
 
-    def _flush(self) -> None:
+    def _write(self, shard: str, tensors: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
-        if not self._pending:
-            return
         path = os.path.join(self.directory, f".shard-{len(self._written):05d}.safetensors.tmp")
-        save_file(self._pending, path, metadata={"format": "pt"})
-        self._written.append((path, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+        save_file(tensors, path, metadata={"format": "pt"})
+        self._written.append((path, shard, list(tensors)))
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._write("", self._pending)
+            self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> list[str]:
-        """Write the last shard, name the shards, write the index and config.json; returns the
+        """Write the last shard(s), name the shards, write the index and config.json; returns the
         shard file names."""
-        self._flush()
-        count = len(self._written)
+        if self.layout is None:
+            self._flush()
+            count = len(self._written)
+            files = [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+        else:
+            absent = sorted(n for names in self._missing.values() for n in names)
+            if absent:
+                more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+                self.notes.append(f"{len(absent)} tensor(s) of the source not exported (their shards are written "
+                                  f"without them): {', '.join(absent[:3])}{more}")
+            extra = sorted(self._held.get(EXTRA_SHARD, {}))
+            if extra:
+                more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+                self.notes.append(f"{len(extra)} tensor(s) not in the source checkpoint, written to {EXTRA_SHARD}: "
+                                  f"{', '.join(extra[:3])}{more}")
+            for shard in sorted(self._held):
+                self._write(shard, self._held.pop(shard))
+            files = [shard for _, shard, _ in self._written]
         weight_map: dict[str, str] = {}
-        files = []
-        for k, (path, names) in enumerate(self._written):
-            name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(path, os.path.join(self.directory, name))
-            files.append(name)
-            weight_map.update({n: name for n in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
-            json.dump(index, f, indent=2)
+        for file, (path, _, names) in zip(files, self._written):
+            os.replace(path, os.path.join(self.directory, file))
+            weight_map.update({n: file for n in names})
+        if files != [SINGLE_FILE]:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
+                json.dump(index, f, indent=2)
         if self.config is not None:
             with open(os.path.join(self.directory, CONFIG_FILE), "w") as f:
                 json.dump(self.config, f, indent=2, sort_keys=True)

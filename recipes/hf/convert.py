@@ -638,6 +638,7 @@ class ExportReport:
     tensors: int = 0
     bytes_written: int = 0
     files: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # rank 0: the writer's notes on tensors outside the source's shards
     seconds: float = 0.0
     rss_before: int = 0  # RSS when the export started (bytes)
     peak_rss: int = 0  # peak RSS during the export (VmHWM after a reset; 0 if unknown)
@@ -703,7 +704,7 @@ def _router_rows_in_original_order(entry: Entry, tensor: torch.Tensor, placement
 
 def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dtype: Optional[torch.dtype] = torch.bfloat16,
                          placement=None, *, max_shard_bytes: int = 5 * 2**30, verbose: bool = True,
-                         quantizer=None) -> ExportReport:
+                         quantizer=None, shard_layout: Optional[dict[str, str]] = None) -> ExportReport:
     """Write the model as a Hugging Face checkpoint under ``out_dir`` (rank 0 writes; collective).
 
     Tensor-parallel partitions are gathered in their group, every tensor goes from its lowest
@@ -713,8 +714,11 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
     ``KEEP_FP32_HF`` stay float32). With ``placement`` (the CAP placement the model is in), experts
     and router rows are written in the original order. With ``quantizer`` (an
     :class:`recipes.hf.quant.ExportQuantizer`, used on rank 0) the tensors it names are written in
-    the published precision instead. Peak memory: rank 0 holds one output group (a layer's fused
-    experts at most) and the pending shard; the report measures it per rank, as the import does."""
+    the published precision instead. With ``shard_layout`` (the source checkpoint's
+    :meth:`HFCheckpoint.weight_map`) each tensor goes into the shard file the source names, not into
+    ``max_shard_bytes`` shards (:class:`HFCheckpointWriter`; its notes are printed). Peak memory:
+    rank 0 holds one output group (a layer's fused experts at most) and the pending shard(s); the
+    report measures it per rank, as the import does."""
     fam = _Family(family)
     chunks = _as_chunks(model_chunks)
     report = ExportReport(rss_before=_proc_status().get("VmRSS", 0))
@@ -771,7 +775,8 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
             key = key + (name,)
         units.setdefault(key, []).append(name)
 
-    writer = HFCheckpointWriter(out_dir, config=hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes) if rank == 0 else None
+    writer = HFCheckpointWriter(out_dir, config=hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                layout=shard_layout) if rank == 0 else None
     device = _comm_device()
     last_layer = None
     error = None
@@ -827,6 +832,9 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
                     last_layer = layer
     if rank == 0 and error is None:
         report.files = writer.close()
+        report.notes = writer.notes
+        for note in writer.notes:
+            _log(f"note: {note}")
         report.bytes_written = writer.total_bytes
         if quantizer is not None:
             report.quantization = dict(quantizer.stats)
