@@ -295,9 +295,10 @@ def test_relaying_is_cheaper_across_slow_node_links():
 def test_step_gradient_return_crosses_once_per_expert_and_node():
     """DeepSeek-V3 at P = 16: rank 0's expert 0 kept on ranks 1 (its node), 8 and 9 (the other
     node). Relayed, rank 9's gradient is summed into rank 8's and one crosses; directly, two do.
-    Times: the cross-node phase carries one 88 MB gradient (two without relays) at 45 GB/s."""
+    Times: the cross-node phase carries one 176 MB fp32 gradient accumulator (two without relays)
+    at 45 GB/s."""
     layer, ep = FULL_SHAPES[1], 16
-    weight_bytes = plan_model.expert_shape(layer).weight_bytes
+    weight_bytes = 4 * plan_model.expert_shape(layer).num_params  # the fp32 accumulator the runtime sends
     held = np.zeros((layer.num_experts, ep), bool)
     held[0, [1, 8, 9]] = True
     model = CostModel()
