@@ -7,6 +7,7 @@ many shards large (the numbers docs/finetune.md quotes)."""
 from __future__ import annotations
 
 import os
+import shutil
 import zlib
 
 import torch
@@ -71,8 +72,10 @@ def run(rank: int, world: int, gpt_oss_mxfp4: str, deepseek_fp8: str, out_root: 
 # ---------------------------------------------------------------------------------------------
 
 
-def measure(rank: int, world: int, mxfp4_dir: str, out_dir: str, max_shard_bytes: int) -> dict:
-    """Import ``mxfp4_dir`` at EP = world, export it in MXFP4 (source scales); per-rank numbers."""
+def measure(rank: int, world: int, mxfp4_dir: str, out_dir: str, max_shard_bytes: int, source_layout: bool = False) -> dict:
+    """Import ``mxfp4_dir`` at EP = world, export it in MXFP4 (source scales; with ``source_layout``
+    into the source's shard files, as ``--quant-source`` does, else into ``max_shard_bytes``
+    shards); per-rank numbers."""
     import hf_gpt_oss_worker as W
     from recipes.hf.checkpoint import HFCheckpoint
     from recipes.hf.convert import export_hf_checkpoint, import_hf_checkpoint
@@ -82,8 +85,10 @@ def measure(rank: int, world: int, mxfp4_dir: str, out_dir: str, max_shard_bytes
     _, model = W._build(W.Job(mxfp4_dir, torch.zeros(1), torch.zeros(1)), W.Layout(ep=world, llep=False))
     imported = import_hf_checkpoint([model], mxfp4_dir, "gpt-oss", verbose=False)
     config = HFCheckpoint(mxfp4_dir).config
+    layout = HFCheckpoint(mxfp4_dir).weight_map() if source_layout else None
     exported = export_hf_checkpoint([model], "gpt-oss", out_dir, config, max_shard_bytes=max_shard_bytes, verbose=False,
-                                    quantizer=ExportQuantizer(QUANTIZED_HF, config, HFCheckpoint(mxfp4_dir)))
+                                    quantizer=ExportQuantizer(QUANTIZED_HF, config, HFCheckpoint(mxfp4_dir)),
+                                    shard_layout=layout)
     return dict(param_mib=imported.param_bytes / 2**20, import_peak_mib=imported.peak_overhead / 2**20,
                 export_peak_mib=exported.peak_overhead / 2**20, rss_before_mib=exported.rss_before / 2**20,
                 peak_reset=exported.peak_reset, written_mib=exported.bytes_written / 2**20, shards=len(exported.files),
@@ -104,11 +109,13 @@ if __name__ == "__main__":
             W.save_tiny_model(os.path.join(root, f"bf16_{layers}_layers"), mxfp4, max_shard_size="64MB",
                               **{**W.MEASURE_SHAPE, "num_hidden_layers": layers})
         size = sum(os.path.getsize(os.path.join(mxfp4, f)) for f in os.listdir(mxfp4)) / 2**20
-        for world in (1, 2):
-            out = os.path.join(root, f"export_{layers}_layers_ep{world}")
-            for rank, r in enumerate(run_distributed(measure, world, mxfp4, out, shard, timeout_s=900)):
-                print(f"{layers} layers, MXFP4 checkpoint {size:.0f} MiB, EP={world} rank {rank}: own parameters "
+        for world, source_layout in ((1, False), (2, False), (2, True)):
+            out = os.path.join(root, f"export_{layers}_layers_ep{world}{'_source_layout' if source_layout else ''}")
+            shutil.rmtree(out, ignore_errors=True)
+            for rank, r in enumerate(run_distributed(measure, world, mxfp4, out, shard, source_layout, timeout_s=900)):
+                where = "the source's shard files" if source_layout else f"shards of <= {shard / 2**20:.0f} MiB"
+                print(f"{layers} layers, MXFP4 checkpoint {size:.0f} MiB, EP={world} rank {rank}, {where}: own parameters "
                       f"{r['param_mib']:.0f} MiB (fp32); peak RSS over the start: import +{r['import_peak_mib']:.0f} "
                       f"MiB, export +{r['export_peak_mib']:.0f} MiB (over {r['rss_before_mib']:.0f} MiB; wrote "
-                      f"{r['written_mib']:.0f} MiB in {r['shards']} shards of <= {shard / 2**20:.0f} MiB, "
+                      f"{r['written_mib']:.0f} MiB in {r['shards']} files, "
                       f"{r['seconds']:.1f} s)", flush=True)
