@@ -98,6 +98,7 @@ def measure(rank: int, world: int, mxfp4_dir: str, out_dir: str, max_shard_bytes
 if __name__ == "__main__":
     import sys
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes/, run from anywhere
     import hf_gpt_oss_worker as W
     from megatron_llep.testing.distributed import run_distributed
 
