@@ -30,7 +30,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
-from megatron_llep.kept_weights import KeptExperts, add_returned_gradients, gradient_sync_on, ledger_for
+from megatron_llep.kept_weights import (KeptExperts, add_returned_gradients, add_to_param_grads, gradient_sync_on,
+                                        ledger_for)
 from megatron_llep.metrics import STATS, LLEPStepStats
 from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
 from megatron_llep.weight_exchange import ExpertWeightExchange, attach_gradient_return, weight_exchange_group
@@ -368,12 +369,12 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         exchange = self.weight_exchange
         if not (torch.is_grad_enabled() and self.training):
             return expert_input  # no backward, or (activation recompute) the node comes with the recompute
-        if exchange is None and self.ledger.held_for(self) is None:
+        held = self.ledger.held_for(self)
+        if exchange is None and held is None:
             self._in_flight = max(self._in_flight - 1, 0)  # this forward's backward returns nothing
             return expert_input
         local = self.num_local_experts
         first = self.local_expert_indices[0]
-        held = self.ledger.held_for(self)
         lent = set(exchange.sent_experts) if exchange is not None else set()
         if held is not None:
             lent |= {first + int(e) for e in np.nonzero(held[first : first + local].any(axis=1))[0]}
@@ -400,8 +401,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """Return this layer's kept experts' gradients now, outside autograd (every EP rank calls
         it at the same point: :func:`megatron_llep.kept_weights.finish_borrowed_gradients`)."""
         for local_expert, sums in self._return_kept():
-            for param, total in zip(self.adapter.expert_tensors(local_expert), sums):
-                param.grad = total.to(param.dtype) if param.grad is None else param.grad + total.to(param.dtype)
+            add_to_param_grads(self.adapter, local_expert, sums)
 
     def training_forward_without_grad(self) -> bool:
         """A training forward whose autograd graph is not built now: Megatron's activation

@@ -55,11 +55,7 @@ class KeptExperts:
     def accumulate(self, expert: int, grads: list[Optional[torch.Tensor]]) -> None:
         if expert not in self.weights:
             raise RuntimeError(f"LLEP: a gradient arrived for expert {expert}, which this rank does not keep")
-        sums = self.gradients.get(expert)
-        if sums is None:
-            sums = self.gradients[expert] = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                                             for w in self.weights[expert]]
-        for total, grad in zip(sums, grads):
+        for total, grad in zip(self.gradient(expert), grads):
             if grad is not None:
                 total.add_(grad)
 
@@ -234,6 +230,14 @@ def add_returned_gradients(adapter: ExpertAdapter, returned: dict[int, list[torc
         else:
             rest.append((local_expert, sums))
     return rest
+
+
+def add_to_param_grads(adapter: ExpertAdapter, local_expert: int, sums: list[torch.Tensor]) -> None:
+    """Add returned fp32 sums into a lent expert's ``param.grad`` (no DDP ``main_grad``), outside
+    autograd: where no autograd node of this micro-batch can carry them."""
+    for param, total in zip(adapter.expert_tensors(local_expert), sums):
+        part = total.to(param.dtype)
+        param.grad = part if param.grad is None else param.grad + part
 
 
 _LEDGERS: dict[tuple[int, ...], KeptLedger] = {}

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_llep.experts import ExpertAdapter
-from megatron_llep.kept_weights import KeptExperts
+from megatron_llep.kept_weights import KeptExperts, add_to_param_grads
 from megatron_llep.planner import RankPlan
 
 
@@ -344,8 +344,7 @@ class _ReturnBorrowedGradients(torch.autograd.Function):
                     part = total.to(param.dtype) if part is None else (part.float() + total).to(param.dtype)
                 grads.append(part)
         for local_expert, sums in kept.items():  # kept elsewhere by a forward after this one: no autograd slot
-            for param, total in zip(adapter.expert_tensors(local_expert), sums):
-                param.grad = total.to(param.dtype) if param.grad is None else param.grad + total.to(param.dtype)
+            add_to_param_grads(adapter, local_expert, sums)
         return (grad_expert_input, None, *grads)
 
 
