@@ -31,7 +31,7 @@ from common import FULL_SHAPES, PAPER_SPEEDUP, SCENARIOS, LayerShape, print_tabl
 
 from megatron_llep.config import LLEPConfig
 from megatron_llep.cost_model import CostModel, ExpertShape
-from megatron_llep.planner import LLEPPlan, plan_llep
+from megatron_llep.planner import LLEPPlan, gradient_return_phases, plan_llep
 
 RANKS_PER_NODE = 8
 
@@ -248,42 +248,24 @@ def weight_handling(config: LLEPConfig) -> dict[str, LLEPConfig]:
 
 def step_gradient_return(held: np.ndarray, shape: LayerShape, model: CostModel, relay: bool) -> tuple[float, int]:
     """Seconds and cross-node bytes of the once-per-step return of the kept copies' gradients
-    (``held[e, p]``: rank ``p`` keeps a copy of ``e``). Each goes to the expert's native rank; with
-    relays the copies of an expert on one node are first summed at the lowest of them (inside the
-    node), so one gradient per (expert, node) crosses, after the in-node sums (the two phases are
-    added). Without relays every copy returns directly, both link classes in parallel. A kept copy's
-    gradient is its fp32 accumulator (4 bytes per parameter, what the runtime sends)."""
+    (``held[e, p]``: rank ``p`` keeps a copy of ``e``): the runtime's phases
+    (:func:`gradient_return_phases`; with relays a hierarchical sum in stripes inside and across
+    nodes), one after the other, each as long as its busiest link (both link classes in parallel).
+    A kept copy's gradient is its fp32 accumulator (4 bytes per parameter, what the runtime sends)."""
     ep = held.shape[1]
-    es = expert_shape(shape)
-    grad_bytes = 4 * es.num_params
-    local = shape.num_experts // ep
+    numel = expert_shape(shape).num_params
     node = np.arange(ep) // RANKS_PER_NODE
-    out, into = np.zeros((2, ep)), np.zeros((2, ep))  # [in-node phase, cross-node phase]
-
-    def send(src: int, dst: int, phase: int) -> None:
-        out[phase, src] += grad_bytes
-        into[phase, dst] += grad_bytes
-
-    crossing = 0
-    for e in np.flatnonzero(held.any(axis=1)):
-        native = e // local
-        keepers = np.flatnonzero(held[e])
-        for b in np.unique(node[keepers]):
-            here = keepers[node[keepers] == b]
-            if b == node[native] or not relay:
-                for p in here:
-                    send(p, native, int(b != node[native]))
-                crossing += int(b != node[native]) * here.size
-                continue
-            for p in here[1:]:
-                send(p, here[0], 0)
-            send(here[0], native, 1)
-            crossing += 1
-    links = [max(model.link_time(float(b), inter) for b in np.maximum(out[phase], into[phase]))
-             for phase, inter in ((0, False), (1, True))]
-    if not relay:  # direct returns use both link classes at once
-        return max(links), crossing * grad_bytes
-    return sum(links), crossing * grad_bytes
+    seconds, crossing = 0.0, 0
+    for phase in gradient_return_phases(held, shape.num_experts // ep, numel, RANKS_PER_NODE, relay):
+        links = {inter: (np.zeros(ep), np.zeros(ep)) for inter in (False, True)}
+        for _, src, dst, lo, hi in phase:
+            inter = bool(node[src] != node[dst])
+            out, into = links[inter]
+            out[src] += 4 * (hi - lo)
+            into[dst] += 4 * (hi - lo)
+            crossing += 4 * (hi - lo) * inter
+        seconds += max(_phase_time(out, into, model, inter) for inter, (out, into) in links.items())
+    return seconds, crossing
 
 
 def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: int, repeats: int) -> list[dict]:

@@ -94,7 +94,9 @@ class LLEPConfig:
             ``None`` (default): no bound.
         relay_within_node: a copy bound for a node other than its native rank's crosses the node
             boundary once: other helpers in that node get it from the rank there that keeps it,
-            and kept gradients are summed inside the node before they cross back.
+            and kept gradients return as a hierarchical sum in stripes, inside nodes and across
+            the helper nodes, before one sum per node enters the native rank's node
+            (:func:`megatron_llep.planner.gradient_return_phases`).
     """
 
     alpha: float = 1.0

@@ -3,8 +3,10 @@
 Weights do not change between the micro-batches of a step, so a helper keeps the experts it
 received (:class:`KeptExperts`, one per LLEP layer and rank) and later micro-batches compute them
 without a new copy. Their gradients accumulate on the helper in fp32 and go back to the native
-rank once (:meth:`KeptLedger.flush_layer`): summed inside each node first (one rank per node and
-expert collects them, with ``relay_within_node``), then across.
+rank once (:meth:`KeptLedger.flush_layer`): straight back from the native rank's node, and with
+``relay_within_node`` from other nodes as a hierarchical sum in stripes, inside each node, across
+the helper nodes, then into the native rank's node
+(:func:`megatron_llep.planner.gradient_return_phases`).
 
 Every EP rank records the same plans, so each holds the same :class:`KeptLedger` (which rank
 keeps which expert of which layer, the bytes each rank spends, which layers have gradients to
@@ -32,6 +34,7 @@ bumps its epoch; the next plan's count all-gather carries the epochs and every r
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Any, Iterable, Iterator, Optional
 
@@ -42,6 +45,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron_llep.compat import mcore
 from megatron_llep.experts import ExpertAdapter
+from megatron_llep.planner import gradient_return_phases, stripe_bounds
 
 
 class KeptExperts:
@@ -50,7 +54,7 @@ class KeptExperts:
 
     def __init__(self) -> None:
         self.weights: dict[int, list[torch.Tensor]] = {}
-        self.gradients: dict[int, list[torch.Tensor]] = {}
+        self.gradients: dict[int, torch.Tensor] = {}
 
     def accumulate(self, expert: int, grads: list[Optional[torch.Tensor]]) -> None:
         if expert not in self.weights:
@@ -59,12 +63,18 @@ class KeptExperts:
             if grad is not None:
                 total.add_(grad)
 
-    def gradient(self, expert: int) -> list[torch.Tensor]:
-        """The accumulated gradient (zeros if no backward used the copy)."""
+    def flat_gradient(self, expert: int) -> torch.Tensor:
+        """The accumulated gradient as one flat fp32 tensor (zeros if no backward used the copy):
+        its parts are what the return sends (:func:`megatron_llep.planner.gradient_return_phases`)."""
         if expert not in self.gradients:
-            self.gradients[expert] = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                                      for w in self.weights[expert]]
+            weights = self.weights[expert]
+            self.gradients[expert] = torch.zeros(sum(w.numel() for w in weights), dtype=torch.float32,
+                                                 device=weights[0].device)
         return self.gradients[expert]
+
+    def gradient(self, expert: int) -> list[torch.Tensor]:
+        """The accumulated gradient, one view of :meth:`flat_gradient` per weight tensor."""
+        return _views(self.flat_gradient(expert), [w.shape for w in self.weights[expert]])
 
     def clear(self) -> None:
         self.weights, self.gradients = {}, {}
@@ -161,57 +171,58 @@ class KeptLedger:
     def flush_layer(self, layer: Any, adapter: ExpertAdapter, first_local_expert: int,
                     ranks_per_node: Optional[int], relay: bool) -> dict[int, list[torch.Tensor]]:
         """Return the kept experts' gradients of ``layer`` to their native ranks and drop the
-        copies. Helpers of a node other than the native rank's send to the lowest-ranked helper of
-        their node (with ``relay``), which adds them to its own and sends the sum across; the
-        others send straight to the native rank. Returns, on a native rank, the fp32 sums per
-        lent local expert (added into ``main_grad`` by the caller or returned through autograd)."""
+        copies, in the phases of :func:`megatron_llep.planner.gradient_return_phases` (straight back
+        inside a node; with ``relay``, summed in stripes inside each node and across nodes before
+        they reach the native rank's node). Returns, on a native rank, the fp32 sums per lent
+        local expert (added into ``main_grad`` by the caller or returned through autograd)."""
         held = self.held.get(layer)
         if held is None:
             self.pending.discard(layer)
             return {}
-        per_node = ranks_per_node or self.ep_size
         local = adapter.num_local_experts
-        specs = adapter.tensor_specs()
-        first_hop: list[tuple[int, int, int]] = []  # (expert, from, to)
-        second_hop: list[tuple[int, int, int]] = []
-        for expert, holder in zip(*np.nonzero(held)):
-            expert, holder = int(expert), int(holder)
-            native = expert // local
-            holders = np.nonzero(held[expert])[0]
-            same_node = holders[holders // per_node == holder // per_node]
-            root = int(same_node.min()) if relay and holder // per_node != native // per_node else native
-            if holder != root:
-                first_hop.append((expert, holder, root))
-            if root != native and holder == root:
-                second_hop.append((expert, root, native))
-        received: dict[int, list[torch.Tensor]] = {}
+        shapes = [shape for shape, _ in adapter.tensor_specs()]
+        numel = sum(math.prod(shape) for shape in shapes)
+        per_node = min(ranks_per_node or self.ep_size, self.ep_size)
+        stripe = stripe_bounds(0, numel, per_node)[self.rank % per_node:][:2]  # the part this rank sums for its node
+        device = _device(adapter)
         kept = layer.kept
-        for hop in (first_hop, second_hop):
+        sums: dict[int, tuple[int, torch.Tensor]] = {}  # expert -> (first element, the part this rank adds into)
+
+        def part(expert: int, lo: int, hi: int) -> torch.Tensor:
+            if expert in kept.weights:
+                return kept.flat_gradient(expert)[lo:hi]
+            if expert not in sums:
+                native = expert // local == self.rank
+                sums[expert] = (0, torch.zeros(numel, dtype=torch.float32, device=device)) if native else \
+                    (stripe[0], torch.zeros(stripe[1] - stripe[0], dtype=torch.float32, device=device))
+            base, total = sums[expert]
+            return total[lo - base:hi - base]
+
+        for phase in gradient_return_phases(held, local, numel, per_node, relay):
             ops, into = [], []
-            for expert, source, target in hop:
+            for expert, source, target, lo, hi in phase:
                 if source == self.rank:
-                    for tensor in kept.gradient(expert):
-                        ops.append(dist.P2POp(dist.isend, tensor, dist.get_global_rank(self.group, target), self.group))
+                    ops.append(dist.P2POp(dist.isend, part(expert, lo, hi), dist.get_global_rank(self.group, target),
+                                          self.group))
                 elif target == self.rank:
-                    buffers = [torch.empty(shape, dtype=torch.float32, device=_device(adapter)) for shape, _ in specs]
-                    into.append((expert, buffers))
-                    for buffer in buffers:
-                        ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(self.group, source), self.group))
+                    buffer = torch.empty(hi - lo, dtype=torch.float32, device=device)
+                    into.append((expert, lo, hi, buffer))
+                    ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(self.group, source), self.group))
             if ops:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
-            for expert, buffers in into:
-                if expert // local == self.rank:
-                    sums = received.get(expert - first_local_expert)
-                    if sums is None:  # the first copy's buffers hold the sum: no zero-filled sums beside them
-                        received[expert - first_local_expert] = buffers
-                        continue
-                    for total, part in zip(sums, buffers):
-                        total.add_(part)
+            for expert, lo, hi, buffer in into:
+                if expert not in sums and expert not in kept.weights and (lo, hi) == (0, numel):
+                    sums[expert] = (0, buffer)  # the first whole gradient is the sum: no zero-filled one beside it
                 else:
-                    kept.accumulate(expert, buffers)  # this rank collects its node's sum
+                    part(expert, lo, hi).add_(buffer)
         self.forget_layer(layer, layer.kept_copy_bytes)
-        return received
+        return {expert - first_local_expert: _views(total, shapes)
+                for expert, (_, total) in sums.items() if expert // local == self.rank}
+
+
+def _views(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    return [piece.view(shape) for piece, shape in zip(flat.split([math.prod(s) for s in shapes]), shapes)]
 
 
 def _device(adapter: ExpertAdapter) -> torch.device:

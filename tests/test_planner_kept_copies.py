@@ -294,19 +294,24 @@ def test_relaying_is_cheaper_across_slow_node_links():
 
 def test_step_gradient_return_crosses_once_per_expert_and_node():
     """DeepSeek-V3 at P = 16: rank 0's expert 0 kept on ranks 1 (its node), 8 and 9 (the other
-    node). Relayed, rank 9's gradient is summed into rank 8's and one crosses; directly, two do.
-    Times: the cross-node phase carries one 176 MB fp32 gradient accumulator (two without relays)
-    at 45 GB/s."""
+    node). Relayed, each node sums eight stripes at its eight ranks (rank 1 sends 7/8 of its
+    gradient inside node 0, ranks 8 and 9 7/8 each inside node 1), one gradient crosses as eight
+    stripes, one per link, and ranks 1-7 send their stripe sums to rank 0 (7/8 of a gradient);
+    directly, two whole gradients cross into rank 0. Gradients are the 176 MB fp32 accumulators,
+    at 45 GB/s across nodes and 400 GB/s inside."""
     layer, ep = FULL_SHAPES[1], 16
-    weight_bytes = 4 * plan_model.expert_shape(layer).num_params  # the fp32 accumulator the runtime sends
+    numel = plan_model.expert_shape(layer).num_params
+    weight_bytes = 4 * numel  # the fp32 accumulator the runtime sends
     held = np.zeros((layer.num_experts, ep), bool)
     held[0, [1, 8, 9]] = True
     model = CostModel()
     relayed_s, relayed_bytes = plan_model.step_gradient_return(held, layer, model, relay=True)
     direct_s, direct_bytes = plan_model.step_gradient_return(held, layer, model, relay=False)
     assert (relayed_bytes, direct_bytes) == (weight_bytes, 2 * weight_bytes)
-    inside = model.link_time(weight_bytes, False)  # rank 1 -> 0 and rank 9 -> 8, in parallel
-    assert relayed_s == pytest.approx(inside + model.link_time(weight_bytes, True), rel=1e-12)
+    seven_stripes = 4 * (numel - numel // 8)  # all stripes but the first (stripe 0 stays on rank 0 / rank 8)
+    inside = model.link_time(seven_stripes, False)
+    across = model.link_time(4 * (numel * 2 // 8 - numel // 8), True)  # the largest stripe crossing
+    assert relayed_s == pytest.approx(2 * inside + across, rel=1e-6)
     assert direct_s == pytest.approx(model.link_time(2 * weight_bytes, True), rel=1e-12)
 
 
