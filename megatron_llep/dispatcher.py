@@ -259,6 +259,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.ledger = ledger_for(self.weight_group)
         self.ledger.register(self)
         self._in_flight = 0
+        # set when Megatron DDP without overlapped grad reduce wraps the layer (kept_weights._after_ddp_built)
+        self.return_behind_backward = False
         # Megatron sets this only in its own preprocess; its D2H helper reads it on every step.
         self.num_global_tokens_per_local_expert = None
 
@@ -364,13 +366,16 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
     def attach_gradient_return(self, expert_input: torch.Tensor) -> torch.Tensor:
         """Thread the experts' input through the node that ends this micro-batch's gradient
         returns (:func:`~megatron_llep.weight_exchange.attach_gradient_return`), on every EP rank
-        alike whenever the layer keeps borrowed experts (any rank's, by the ledger: the step's
-        return may happen in this backward) or this rank lends or borrows now."""
+        alike whenever any LLEP layer keeps borrowed experts (any rank's, by the ledger: the step's
+        return may happen in, or move on at, this backward), and wherever this rank lends or
+        borrows now."""
         exchange = self.weight_exchange
         if not (torch.is_grad_enabled() and self.training):
             return expert_input  # no backward, or (activation recompute) the node comes with the recompute
         held = self.ledger.held_for(self)
-        if exchange is None and held is None:
+        # any layer's kept copies: every layer's backward, on every EP rank, is a point where returns
+        # under way move on (kept_weights.GradientReturn), so the node is made alike everywhere
+        if exchange is None and not any(h.any() for h in self.ledger.held.values()) and not self.ledger.returning:
             self._in_flight = max(self._in_flight - 1, 0)  # this forward's backward returns nothing
             return expert_input
         local = self.num_local_experts
@@ -382,11 +387,22 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
                                       self._finish_kept_in_backward)
 
     def _finish_kept_in_backward(self) -> dict[int, list[torch.Tensor]]:
-        """At the end of a micro-batch's backward: the step's return of the kept experts' gradients
-        when this is the reducing backward (gradient sync on) and no forward of the layer still
-        awaits its backward; the fp32 sums of lent experts without ``main_grad``."""
+        """At the end of a micro-batch's backward (on every EP rank alike): move the returns under
+        way on by a phase, then start or make the step's return of this layer's kept experts'
+        gradients when this is the reducing backward (gradient sync on) and no forward of the
+        layer still awaits its backward: behind the layers below when nothing reads the gradients
+        before DDP's ``finish_grad_sync`` (``return_behind_backward``), here otherwise. Returns the
+        fp32 sums of lent experts without ``main_grad``."""
         self._in_flight = max(self._in_flight - 1, 0)
+        for layer, returned in self.ledger.progress_returns():
+            for local_expert, sums in add_returned_gradients(layer.adapter, returned):
+                add_to_param_grads(layer.adapter, local_expert, sums)
         if not gradient_sync_on() or self._in_flight:
+            return {}
+        if self.return_behind_backward:
+            config = self.llep_config
+            self.ledger.start_return(self, self.adapter, self.local_expert_indices[0], config.ranks_per_node,
+                                     config.relay_within_node)
             return {}
         return dict(self._return_kept())
 

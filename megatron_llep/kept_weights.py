@@ -90,6 +90,7 @@ class KeptLedger:
         self.rank = group.rank()
         self.held: dict[Any, np.ndarray] = {}  # layer (its dispatcher) -> bool [N, P]
         self.pending: set = set()  # layers whose kept experts took part in a backward-bound forward
+        self.returning: dict[Any, GradientReturn] = {}  # layers whose return is under way
         self.used = np.zeros(self.ep_size, np.int64)
         self.epoch = 0
         self._layers: list[weakref.ref] = []  # in construction order
@@ -168,57 +169,109 @@ class KeptLedger:
             self.epoch += 1
 
     # ------------------------------------------------------------------ gradient return
-    def flush_layer(self, layer: Any, adapter: ExpertAdapter, first_local_expert: int,
-                    ranks_per_node: Optional[int], relay: bool) -> dict[int, list[torch.Tensor]]:
-        """Return the kept experts' gradients of ``layer`` to their native ranks and drop the
-        copies, in the phases of :func:`megatron_llep.planner.gradient_return_phases` (straight back
-        inside a node; with ``relay``, summed in stripes inside each node and across nodes before
-        they reach the native rank's node). Returns, on a native rank, the fp32 sums per lent
-        local expert (added into ``main_grad`` by the caller or returned through autograd)."""
+    def start_return(self, layer: Any, adapter: ExpertAdapter, first_local_expert: int,
+                     ranks_per_node: Optional[int], relay: bool) -> Optional["GradientReturn"]:
+        """Post the first phase of the return of ``layer``'s kept experts' gradients (see
+        :class:`GradientReturn`); ``None`` when the layer keeps nothing."""
         held = self.held.get(layer)
         if held is None:
             self.pending.discard(layer)
-            return {}
-        local = adapter.num_local_experts
-        shapes = [shape for shape, _ in adapter.tensor_specs()]
-        numel = sum(math.prod(shape) for shape in shapes)
-        per_node = min(ranks_per_node or self.ep_size, self.ep_size)
-        stripe = stripe_bounds(0, numel, per_node)[self.rank % per_node:][:2]  # the part this rank sums for its node
-        device = _device(adapter)
-        kept = layer.kept
-        sums: dict[int, tuple[int, torch.Tensor]] = {}  # expert -> (first element, the part this rank adds into)
+            return None
+        returning = GradientReturn(self, layer, held, adapter, first_local_expert, ranks_per_node, relay)
+        self.returning[layer] = returning
+        returning.advance()
+        return returning
 
-        def part(expert: int, lo: int, hi: int) -> torch.Tensor:
-            if expert in kept.weights:
-                return kept.flat_gradient(expert)[lo:hi]
-            if expert not in sums:
-                native = expert // local == self.rank
-                sums[expert] = (0, torch.zeros(numel, dtype=torch.float32, device=device)) if native else \
-                    (stripe[0], torch.zeros(stripe[1] - stripe[0], dtype=torch.float32, device=device))
-            base, total = sums[expert]
-            return total[lo - base:hi - base]
+    def flush_layer(self, layer: Any, adapter: ExpertAdapter, first_local_expert: int,
+                    ranks_per_node: Optional[int], relay: bool) -> dict[int, list[torch.Tensor]]:
+        """Return the kept experts' gradients of ``layer`` to their native ranks now (finishing a
+        return already under way) and drop the copies. Returns, on a native rank, the fp32 sums
+        per lent local expert (added into ``main_grad`` by the caller or returned through autograd)."""
+        returning = self.returning.get(layer) or self.start_return(layer, adapter, first_local_expert,
+                                                                     ranks_per_node, relay)
+        return returning.finish() if returning is not None else {}
 
-        for phase in gradient_return_phases(held, local, numel, per_node, relay):
-            ops, into = [], []
-            for expert, source, target, lo, hi in phase:
-                if source == self.rank:
-                    ops.append(dist.P2POp(dist.isend, part(expert, lo, hi), dist.get_global_rank(self.group, target),
-                                          self.group))
-                elif target == self.rank:
-                    buffer = torch.empty(hi - lo, dtype=torch.float32, device=device)
-                    into.append((expert, lo, hi, buffer))
-                    ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(self.group, source), self.group))
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
-            for expert, lo, hi, buffer in into:
-                if expert not in sums and expert not in kept.weights and (lo, hi) == (0, numel):
-                    sums[expert] = (0, buffer)  # the first whole gradient is the sum: no zero-filled one beside it
-                else:
-                    part(expert, lo, hi).add_(buffer)
-        self.forget_layer(layer, layer.kept_copy_bytes)
-        return {expert - first_local_expert: _views(total, shapes)
-                for expert, (_, total) in sums.items() if expert // local == self.rank}
+    def progress_returns(self) -> list[tuple[Any, dict[int, list[torch.Tensor]]]]:
+        """Move every return under way on by one phase (every EP rank calls this at the same
+        points: the backward of each LLEP layer); returns ``(layer, sums)`` of those that ended."""
+        ended = []
+        for layer, returning in list(self.returning.items()):
+            if returning.advance():
+                ended.append((layer, returning.finish()))
+        return ended
+
+
+class GradientReturn:
+    """One layer's return of its kept experts' gradients, phase by phase
+    (:func:`megatron_llep.planner.gradient_return_phases`): each :meth:`advance` waits for the
+    phase posted last, adds what arrived, and posts the next, so the phases can run behind the
+    backward of the layers below; :meth:`finish` runs the rest. A rank sums into its helpers'
+    accumulators, into one fp32 gradient per lent expert on the native rank, and elsewhere into
+    its stripe of the expert (the part it sums for its node)."""
+
+    def __init__(self, ledger: KeptLedger, layer: Any, held: np.ndarray, adapter: ExpertAdapter,
+                 first_local_expert: int, ranks_per_node: Optional[int], relay: bool) -> None:
+        self.ledger, self.layer, self.first_local_expert = ledger, layer, first_local_expert
+        self.local = adapter.num_local_experts
+        self.shapes = [shape for shape, _ in adapter.tensor_specs()]
+        self.numel = sum(math.prod(shape) for shape in self.shapes)
+        per_node = min(ranks_per_node or ledger.ep_size, ledger.ep_size)
+        self.stripe = stripe_bounds(0, self.numel, per_node)[ledger.rank % per_node:][:2]
+        self.device = _device(adapter)
+        # phases without transfers are the same on every rank: skipped alike
+        self.phases = [phase for phase in gradient_return_phases(held, self.local, self.numel, per_node, relay) if phase]
+        self.posted = 0  # phases posted so far
+        self.works: list = []
+        self.into: list[tuple[int, int, int, torch.Tensor]] = []
+        self.sums: dict[int, tuple[int, torch.Tensor]] = {}  # expert -> (first element, the part this rank adds into)
+
+    def _part(self, expert: int, lo: int, hi: int) -> torch.Tensor:
+        kept = self.layer.kept
+        if expert in kept.weights:
+            return kept.flat_gradient(expert)[lo:hi]
+        if expert not in self.sums:
+            native = expert // self.local == self.ledger.rank
+            first, last = (0, self.numel) if native else self.stripe
+            self.sums[expert] = (first, torch.zeros(last - first, dtype=torch.float32, device=self.device))
+        first, total = self.sums[expert]
+        return total[lo - first:hi - first]
+
+    def advance(self) -> bool:
+        """Wait for the phase posted last, add what it brought, post the next (one phase per call
+        on every rank, with or without transfers of its own, so that all ranks post their
+        transfers between the same pairs in the same order); True once the last has arrived."""
+        for work in self.works:
+            work.wait()
+        for expert, lo, hi, buffer in self.into:
+            if expert not in self.sums and expert not in self.layer.kept.weights and (lo, hi) == (0, self.numel):
+                self.sums[expert] = (0, buffer)  # the first whole gradient is the sum: no zero-filled one beside it
+            else:
+                self._part(expert, lo, hi).add_(buffer)
+        self.works, self.into = [], []
+        if self.posted == len(self.phases):
+            return True
+        group, rank, ops = self.ledger.group, self.ledger.rank, []
+        for expert, source, target, lo, hi in self.phases[self.posted]:
+            if source == rank:
+                ops.append(dist.P2POp(dist.isend, self._part(expert, lo, hi), dist.get_global_rank(group, target), group))
+            elif target == rank:
+                buffer = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+                self.into.append((expert, lo, hi, buffer))
+                ops.append(dist.P2POp(dist.irecv, buffer, dist.get_global_rank(group, source), group))
+        self.posted += 1
+        if ops:
+            self.works = dist.batch_isend_irecv(ops)
+        return False
+
+    def finish(self) -> dict[int, list[torch.Tensor]]:
+        """Run the phases left, drop the layer's copies; the fp32 sums per lent local expert on a
+        native rank."""
+        while not self.advance():
+            pass
+        self.ledger.returning.pop(self.layer, None)
+        self.ledger.forget_layer(self.layer, self.layer.kept_copy_bytes)
+        return {expert - self.first_local_expert: _views(total, self.shapes)
+                for expert, (_, total) in self.sums.items() if expert // self.local == self.ledger.rank}
 
 
 def _views(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
@@ -260,7 +313,7 @@ def ledger_for(group: dist.ProcessGroup) -> KeptLedger:
     if ranks not in _LEDGERS:
         _LEDGERS[ranks] = KeptLedger(group)
         _install_optimizer_hook()
-        mcore.hook_ddp_gradient_sync(_count_no_sync, _before_ddp_sync)
+        mcore.hook_ddp_gradient_sync(_count_no_sync, _before_ddp_sync, _after_ddp_built)
     return _LEDGERS[ranks]
 
 
@@ -314,6 +367,16 @@ def finish_borrowed_gradients(model: Any = None) -> None:
     for dispatcher in _dispatchers(chunks):
         if dispatcher.ledger.held_for(dispatcher) is not None or dispatcher in dispatcher.ledger.pending:
             dispatcher.flush_kept_gradients()
+
+
+def _after_ddp_built(ddp_module: torch.nn.Module) -> None:
+    """Under Megatron DDP without overlapped grad reduce nothing reads the experts' gradients
+    before ``finish_grad_sync``, so the step's return of kept gradients may run behind the backward
+    of the layers below (one phase per LLEP layer's backward); with overlapped grad reduce it ends
+    in the layer's own backward, before the native experts' buckets start reducing."""
+    behind = not ddp_module.ddp_config.overlap_grad_reduce
+    for dispatcher in _dispatchers([ddp_module]):
+        dispatcher.return_behind_backward = behind
 
 
 def _before_ddp_sync(ddp_module: torch.nn.Module) -> None:

@@ -108,6 +108,7 @@ class ExpertWeightExchange:
         self._gradient_works: list = []
         self._gradients_out: list[torch.Tensor] = []
         self._gradients_in: dict[int, list[list[torch.Tensor]]] = {}
+        self._late_receives: list[tuple[int, int]] = []  # (expert, helper) whose gradient receive waits
         self._gradient_waves_posted = 0
 
     @property
@@ -201,7 +202,7 @@ class ExpertWeightExchange:
         """Backward, first half: the gradients of the wave's borrowed weights (``grads`` in slot
         order): a kept copy's into its accumulator, the others posted to the rank they came from;
         and the receives of the gradients of the copies this rank sent in that wave and that are
-        not kept."""
+        not kept (on a rank that only lends in this layer, in :meth:`return_gradients`)."""
         per_expert = len(self.specs)
         if wave == HELD_WAVE:
             for k, expert in enumerate(self.held):
@@ -223,14 +224,18 @@ class ExpertWeightExchange:
         for i in self.wave_sends[wave]:
             if self.send_kept[i]:
                 continue
-            expert, helper = self.sends[i]
-            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs]
-            self._gradients_in.setdefault(expert, []).append(buffers)
-            for buffer in buffers:
-                ops.append(dist.P2POp(dist.irecv, buffer, self._peer(helper), self.group))
+            if not self.receives:  # a lender only: its receives wait until its native experts' backward is done
+                self._late_receives.append(self.sends[i])
+                continue
+            ops += self._gradient_receives(*self.sends[i])
         if ops:
             self._gradient_works.extend(dist.batch_isend_irecv(ops))
         self._gradient_waves_posted += 1
+
+    def _gradient_receives(self, expert: int, helper: int) -> list:
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs]
+        self._gradients_in.setdefault(expert, []).append(buffers)
+        return [dist.P2POp(dist.irecv, buffer, self._peer(helper), self.group) for buffer in buffers]
 
     @property
     def _backward_waves(self) -> int:
@@ -246,6 +251,14 @@ class ExpertWeightExchange:
                 "LLEP weight exchange: the borrowed-weight gradients were never posted (the backward of "
                 "the native experts' output did not run before that of the experts' input)"
             )
+        if self._late_receives:
+            # Posted only now, after this rank's native experts' backward, so that their buffers are
+            # not alive through it (the hot rank's peak). Only a rank that sends no gradients in
+            # this layer defers: no send of its own can wait behind these receives (NCCL runs a
+            # rank's transfers in order), and per pair they keep the order of the helpers' sends.
+            ops = [op for expert, helper in self._late_receives for op in self._gradient_receives(expert, helper)]
+            self._gradient_works.extend(dist.batch_isend_irecv(ops))
+            self._late_receives = []
         for work in self._gradient_works:
             work.wait()
         incoming = self._gradients_in

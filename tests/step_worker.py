@@ -43,7 +43,7 @@ class StepCase:
     ranks_per_node: int = 0  # 0: one node
     grad_sync_func: bool = False  # Megatron-LM's align_grad_reduce: stages start their reduce after the last backward
     max_kept_weight_bytes: int = -1  # -1: no bound
-    broken: str = ""  # negative control: "stale" keeps copies across the optimizer step
+    broken: str = ""  # negative control (_break): "stale" or "lost-behind"
 
 
 def _config(case: StepCase) -> TransformerConfig:
@@ -153,8 +153,17 @@ def _train(case: StepCase, chunks, optimizer, rank: int) -> list[float]:
 
 
 def _break(case: StepCase):
-    """Negative control "stale": the step's return drops nothing, the optimizer step invalidates
-    nothing, so the next step computes with copies of the old weights."""
+    """Negative controls. "stale": the step's return drops nothing, the optimizer step invalidates
+    nothing, so the next step computes with copies of the old weights. "lost-behind": the returns
+    that end behind a later layer's backward lose their sums."""
+    if case.broken == "lost-behind":
+        progress = kept_weights.KeptLedger.progress_returns
+        kept_weights.KeptLedger.progress_returns = lambda ledger: [(layer, {}) for layer, _ in progress(ledger)]
+
+        def restore_progress():
+            kept_weights.KeptLedger.progress_returns = progress
+
+        return restore_progress
     if case.broken != "stale":
         return lambda: None
     forget, invalidate = kept_weights.KeptLedger.forget_layer, kept_weights.KeptLedger.invalidate
@@ -182,9 +191,10 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         plain_model, plain_opt = _build(case, llep=False)
         llep_model, llep_opt = _build(case, llep=True, states=[chunk.module.state_dict() for chunk in plain_model])
         plain_losses = _train(case, plain_model, plain_opt, rank)
-        counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0}
+        counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0}
         local = EXPERTS // case.ep
-        start, flush = ExpertWeightExchange.start, kept_weights.KeptLedger.flush_layer
+        start, begin = ExpertWeightExchange.start, kept_weights.KeptLedger.start_return
+        progress = kept_weights.KeptLedger.progress_returns
 
         def counting_start(exchange):
             if not exchange._posted:
@@ -193,17 +203,23 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
                 counts["held"] += len(exchange.held)
             start(exchange)
 
-        def counting_flush(ledger, layer, *args):
+        def counting_begin(ledger, layer, *args):
             counts["returns"] += int(ledger.held_for(layer) is not None)
-            return flush(ledger, layer, *args)
+            return begin(ledger, layer, *args)
 
-        ExpertWeightExchange.start, kept_weights.KeptLedger.flush_layer = counting_start, counting_flush
+        def counting_progress(ledger):  # returns moved on at a later layer's backward
+            counts["behind"] += len(ledger.returning)
+            return progress(ledger)
+
+        ExpertWeightExchange.start, kept_weights.KeptLedger.start_return = counting_start, counting_begin
+        kept_weights.KeptLedger.progress_returns = counting_progress
         restore = _break(case)
         try:
             llep_losses = _train(case, llep_model, llep_opt, rank)
         finally:
             restore()
-            ExpertWeightExchange.start, kept_weights.KeptLedger.flush_layer = start, flush
+            ExpertWeightExchange.start, kept_weights.KeptLedger.start_return = start, begin
+            kept_weights.KeptLedger.progress_returns = progress
         worst = 0.0
         for plain_chunk, llep_chunk in zip(plain_model, llep_model):
             plain_params = dict(plain_chunk.module.named_parameters())
@@ -215,7 +231,7 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         results.append({"case": dataclasses.asdict(case), "plain_losses": plain_losses, "llep_losses": llep_losses,
                         "param_rel_diff": worst, **dict(zip(counts, totals.tolist()))})
         for ledger in kept_weights._LEDGERS.values():  # the next case builds new layers
-            ledger.held.clear(), ledger.pending.clear()
+            ledger.held.clear(), ledger.pending.clear(), ledger.returning.clear()
             ledger.used[:] = 0
     return results
 

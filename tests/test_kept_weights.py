@@ -18,13 +18,16 @@ TWO_RANKS = [
     StepCase("plain-optimizer", ep=2, distributed_optimizer=False),
     StepCase("nothing-kept", ep=2, max_kept_weight_bytes=0),
     StepCase("stale-copies", ep=2, broken="stale"),
+    StepCase("lost-behind-backward", ep=2, overlap_grad_reduce=False, broken="lost-behind"),
 ]
-# 2 nodes of 2 ranks: copies for the other node cross once and are relayed inside it; with a bound
+# 2 nodes of 2 ranks: copies for the other node cross once and are relayed inside it; 4 nodes of one
+# rank without overlapped grad reduce: the hierarchical return runs behind the layers below; with a bound
 # of one kept expert per rank (3072 bytes each) most copies serve one micro-batch; pipeline
 # parallelism with Megatron-LM's align_grad_reduce (stages start their reduce after the last backward),
 # with the 1F1B schedule and the interleaved one (2 model chunks per rank)
 FOUR_RANKS = [
     StepCase("two-nodes-relay", ep=4, ranks_per_node=2),
+    StepCase("four-nodes-behind-backward", ep=4, ranks_per_node=1, overlap_grad_reduce=False),
     StepCase("two-nodes-bounded", ep=4, ranks_per_node=2, max_kept_weight_bytes=4000),
     StepCase("pp2-ep2-grad-sync-func", ep=2, pp=2, grad_sync_func=True),
     StepCase("pp2-interleaved-ep2", ep=2, pp=2, vpp=2, grad_sync_func=True),
@@ -50,9 +53,12 @@ def test_kept_copies_train_like_plain_ep_on_two_ranks():
     # kept copies serve the later micro-batches of the step: fewer copies than one per micro-batch
     kept = results["overlap-grad-reduce"]
     assert 0 < kept["copies"] < results["nothing-kept"]["copies"] and kept["held"] > 0
+    # without overlapped grad reduce the second layer's return ends behind the first layer's backward
+    assert results["sync-grad-reduce"]["behind"] > 0 and kept["behind"] == 0
     assert results["nothing-kept"]["held"] == 0
     stale = results["stale-copies"]
     assert stale["param_rel_diff"] > 1e-3, "copies kept past the optimizer step went unnoticed"
+    assert results["lost-behind-backward"]["param_rel_diff"] > 1e-3, "a return lost behind the backward went unnoticed"
 
 
 def test_kept_copies_relayed_bounded_and_pipelined_on_four_ranks():
@@ -62,6 +68,7 @@ def test_kept_copies_relayed_bounded_and_pipelined_on_four_ranks():
             _check(result, 4)
     results = {r["case"]["name"]: r for r in per_rank[0]}
     assert results["two-nodes-relay"]["relayed"] > 0  # a copy came from a keeper in the helper's node
+    assert results["four-nodes-behind-backward"]["behind"] > 0
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, True, "1GB"])

@@ -179,20 +179,28 @@ def finish_param_sync(module: Any) -> None:
                 hook(submodule, ())
 
 
-def hook_ddp_gradient_sync(no_sync_depth: Callable[[int], None], before_sync: Callable[[torch.nn.Module], None]) -> None:
+def hook_ddp_gradient_sync(no_sync_depth: Callable[[int], None], before_sync: Callable[[torch.nn.Module], None],
+                           built: Callable[[torch.nn.Module], None]) -> None:
     """Watch Megatron DDP's gradient-sync points, once per process: ``no_sync_depth(+1 / -1)`` on
     entering and leaving ``no_sync`` (Megatron's schedules enter it for all but the step's last
     backward, through ``config.no_sync_func``), and ``before_sync(ddp_module)`` before
     ``start_grad_sync`` (``config.grad_sync_func`` of pipeline stages) and ``finish_grad_sync``
     (``finalize_model_grads``, hand-written loops), i.e. before any reduction that is not started
-    by DDP's own backward hooks. Patched on the class so that every way a loop reaches them is
-    seen, whoever built the model and whenever ``config``'s functions were set."""
+    by DDP's own backward hooks; ``built(ddp_module)`` once a DDP module is constructed (its
+    ``ddp_config`` says whether grad reduce overlaps the backward). Patched on the class so that
+    every way a loop reaches them is seen, whoever built the model and whenever ``config``'s
+    functions were set."""
     from megatron.core.distributed import DistributedDataParallel
 
     if getattr(DistributedDataParallel, "_llep_sync_hooks", False):
         return
-    no_sync, start, finish = (DistributedDataParallel.no_sync, DistributedDataParallel.start_grad_sync,
-                              DistributedDataParallel.finish_grad_sync)
+    init, no_sync, start, finish = (DistributedDataParallel.__init__, DistributedDataParallel.no_sync,
+                                    DistributedDataParallel.start_grad_sync, DistributedDataParallel.finish_grad_sync)
+
+    @functools.wraps(init)
+    def built_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built(self)
 
     @contextlib.contextmanager
     def counted_no_sync(self):
@@ -214,6 +222,7 @@ def hook_ddp_gradient_sync(no_sync_depth: Callable[[int], None], before_sync: Ca
         return finish(self, *args, **kwargs)
 
     counted_no_sync.__doc__ = no_sync.__doc__
+    DistributedDataParallel.__init__ = built_init
     DistributedDataParallel.no_sync = counted_no_sync
     DistributedDataParallel.start_grad_sync = start_grad_sync
     DistributedDataParallel.finish_grad_sync = finish_grad_sync
