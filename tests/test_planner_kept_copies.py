@@ -305,14 +305,23 @@ def test_step_gradient_return_crosses_once_per_expert_and_node():
     held = np.zeros((layer.num_experts, ep), bool)
     held[0, [1, 8, 9]] = True
     model = CostModel()
-    relayed_s, relayed_bytes = plan_model.step_gradient_return(held, layer, model, relay=True)
-    direct_s, direct_bytes = plan_model.step_gradient_return(held, layer, model, relay=False)
+    relayed, relayed_bytes = plan_model.step_gradient_return(held, layer, model, relay=True)
+    direct, direct_bytes = plan_model.step_gradient_return(held, layer, model, relay=False)
     assert (relayed_bytes, direct_bytes) == (weight_bytes, 2 * weight_bytes)
     seven_stripes = 4 * (numel - numel // 8)  # all stripes but the first (stripe 0 stays on rank 0 / rank 8)
     inside = model.link_time(seven_stripes, False)
     across = model.link_time(4 * (numel * 2 // 8 - numel // 8), True)  # the largest stripe crossing
-    assert relayed_s == pytest.approx(2 * inside + across, rel=1e-6)
-    assert direct_s == pytest.approx(model.link_time(2 * weight_bytes, True), rel=1e-12)
+    # phases: stripe sums inside nodes, the crossing (one helper node: no reduce-scatter), into rank 0
+    assert relayed == pytest.approx([inside, across, inside], rel=1e-6)
+    assert direct == pytest.approx([model.link_time(2 * weight_bytes, True)], rel=1e-12)
+
+
+def test_a_return_behind_the_backward_shows_only_beyond_the_layers_below():
+    """Phase k hides in the backward GEMMs of the k-th layer below and shows beyond them; the
+    bottom layers' phases without layers below wait at the end: sum_k (k + 1) t_k over the model."""
+    assert plan_model.behind_backward([1.0, 2.0, 3.0], window_s=2.5, moe_layers=10) == pytest.approx(
+        0.5 + (1 * 1.0 + 2 * 2.0 + 3 * 3.0) / 10)
+    assert plan_model.behind_backward([1.0], window_s=2.0, moe_layers=1) == pytest.approx(1.0)  # one layer: all of it
 
 
 def test_step_model_keeps_copies_only_after():
