@@ -17,7 +17,10 @@ When the gradients go back (the step's gradient reduction must see them):
 * in the layer's backward, when gradient sync is on (outside Megatron DDP's ``no_sync``: the last
   micro-batch of a step under Megatron's schedules, or every backward of a loop without
   ``no_sync``) and no other forward of the layer awaits its backward: before the native experts'
-  DDP hooks fire, so overlapped grad reduce sees the whole gradient;
+  DDP hooks fire, so overlapped grad reduce sees the whole gradient. Under Megatron DDP without
+  overlapped grad reduce only its first phase is posted there, and it runs behind the backward of
+  the layers below (:class:`GradientReturn`, one phase per LLEP layer's backward), finished before
+  ``finish_grad_sync``;
 * otherwise before Megatron DDP's ``start_grad_sync`` (``config.grad_sync_func`` of pipeline
   stages whose reduce starts after the last backward) or ``finish_grad_sync``
   (``finalize_model_grads``): :func:`megatron_llep.compat.mcore.hook_ddp_gradient_sync` watches
