@@ -31,7 +31,7 @@ from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
 from megatron_llep.kept_weights import (KeptExperts, add_returned_gradients, add_to_param_grads, gradient_sync_on,
-                                        ledger_for)
+                                        last_backward_of_step, ledger_for)
 from megatron_llep.metrics import STATS, LLEPStepStats
 from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
 from megatron_llep.weight_exchange import ExpertWeightExchange, attach_gradient_return, weight_exchange_group
@@ -390,19 +390,21 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """At the end of a micro-batch's backward (on every EP rank alike): move the returns under
         way on by a phase, then start or make the step's return of this layer's kept experts'
         gradients when this is the reducing backward (gradient sync on) and no forward of the
-        layer still awaits its backward: behind the layers below when nothing reads the gradients
-        before DDP's ``finish_grad_sync`` (``return_behind_backward``), here otherwise. Returns the
-        fp32 sums of lent experts without ``main_grad``."""
+        layer still awaits its backward: here, or, when nothing reads the gradients before DDP's
+        ``finish_grad_sync`` (``return_behind_backward``), behind the layers below from the step's
+        known last backward and otherwise at ``finish_grad_sync``. Returns the fp32 sums of lent
+        experts without ``main_grad``."""
         self._in_flight = max(self._in_flight - 1, 0)
         for layer, returned in self.ledger.progress_returns():
             for local_expert, sums in add_returned_gradients(layer.adapter, returned):
                 add_to_param_grads(layer.adapter, local_expert, sums)
         if not gradient_sync_on() or self._in_flight:
             return {}
-        if self.return_behind_backward:
-            config = self.llep_config
-            self.ledger.start_return(self, self.adapter, self.local_expert_indices[0], config.ranks_per_node,
-                                     config.relay_within_node)
+        if self.return_behind_backward:  # the return waits for finish_grad_sync, behind the layers below if it can
+            if last_backward_of_step():
+                config = self.llep_config
+                self.ledger.start_return(self, self.adapter, self.local_expert_indices[0], config.ranks_per_node,
+                                         config.relay_within_node)
             return {}
         return dict(self._return_kept())
 

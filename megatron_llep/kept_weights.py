@@ -18,9 +18,12 @@ When the gradients go back (the step's gradient reduction must see them):
   micro-batch of a step under Megatron's schedules, or every backward of a loop without
   ``no_sync``) and no other forward of the layer awaits its backward: before the native experts'
   DDP hooks fire, so overlapped grad reduce sees the whole gradient. Under Megatron DDP without
-  overlapped grad reduce only its first phase is posted there, and it runs behind the backward of
-  the layers below (:class:`GradientReturn`, one phase per LLEP layer's backward), finished before
-  ``finish_grad_sync``;
+  overlapped grad reduce nothing reads the gradients before ``finish_grad_sync``: in the step's
+  last backward (known when the earlier ones ran under ``no_sync``) only the first phase is posted,
+  and the return runs behind the backward of the layers below (:class:`GradientReturn`, one phase
+  per LLEP layer's backward); when the last backward is not known (Megatron-LM without
+  ``--overlap-grad-reduce`` sets no ``no_sync_func``) the copies serve every micro-batch and return
+  at ``finish_grad_sync``;
 * otherwise before Megatron DDP's ``start_grad_sync`` (``config.grad_sync_func`` of pipeline
   stages whose reduce starts after the last backward) or ``finish_grad_sync``
   (``finalize_model_grads``): :func:`megatron_llep.compat.mcore.hook_ddp_gradient_sync` watches
@@ -331,8 +334,21 @@ def gradient_sync_on() -> bool:
 
 
 def _count_no_sync(change: int) -> None:
-    global _SYNC_OFF_DEPTH
+    global _SYNC_OFF_DEPTH, _NO_SYNC_IN_STEP
     _SYNC_OFF_DEPTH += change
+    _NO_SYNC_IN_STEP |= change > 0
+
+
+# Whether no_sync was entered since the last gradient sync: a backward with sync on after it is then
+# the step's last. (Megatron-LM sets no_sync_func only with overlapped grad reduce; without it every
+# backward runs with sync on and which one is the last is not known.)
+_NO_SYNC_IN_STEP = False
+
+
+def last_backward_of_step() -> bool:
+    """Whether the backward running now is known to be the step's last: gradient sync is on and
+    earlier micro-batches of the step ran under ``no_sync``."""
+    return gradient_sync_on() and _NO_SYNC_IN_STEP
 
 
 @contextlib.contextmanager
@@ -374,15 +390,19 @@ def finish_borrowed_gradients(model: Any = None) -> None:
 
 def _after_ddp_built(ddp_module: torch.nn.Module) -> None:
     """Under Megatron DDP without overlapped grad reduce nothing reads the experts' gradients
-    before ``finish_grad_sync``, so the step's return of kept gradients may run behind the backward
-    of the layers below (one phase per LLEP layer's backward); with overlapped grad reduce it ends
-    in the layer's own backward, before the native experts' buckets start reducing."""
+    before ``finish_grad_sync``, so the step's return of kept gradients waits: it runs behind the
+    backward of the layers below (one phase per LLEP layer's backward) from the step's last
+    backward when that is known (:func:`last_backward_of_step`), else at ``finish_grad_sync``; with
+    overlapped grad reduce it ends in the layer's own backward, before the native experts' buckets
+    start reducing."""
     behind = not ddp_module.ddp_config.overlap_grad_reduce
     for dispatcher in _dispatchers([ddp_module]):
         dispatcher.return_behind_backward = behind
 
 
 def _before_ddp_sync(ddp_module: torch.nn.Module) -> None:
+    global _NO_SYNC_IN_STEP
+    _NO_SYNC_IN_STEP = False
     if any(ledger.held or ledger.pending for ledger in _LEDGERS.values()):
         finish_borrowed_gradients(ddp_module)
 

@@ -264,6 +264,13 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     args = get_args()
     print_rank_0(f"building GPT model ({'LLEP' if args.llep else 'plain EP'}) ...")
     config = config if config is not None else core_transformer_config_from_args(args)
+    if args.llep and not args.overlap_grad_reduce and config.no_sync_func is None:
+        # Megatron-LM sets no_sync_func only with --overlap-grad-reduce (then DDP's no_sync); without it
+        # DDP's no_sync would change nothing, and marking a step's earlier micro-batches tells LLEP which
+        # backward is the step's last, from where kept gradients return behind the layers below
+        from megatron_llep.kept_weights import accumulating_gradients
+
+        config.no_sync_func = accumulating_gradients
     model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(args, config, vp_stage),

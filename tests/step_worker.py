@@ -42,6 +42,7 @@ class StepCase:
     distributed_optimizer: bool = True
     ranks_per_node: int = 0  # 0: one node
     grad_sync_func: bool = False  # Megatron-LM's align_grad_reduce: stages start their reduce after the last backward
+    no_sync: bool = True  # config.no_sync_func set (Megatron-LM sets it only with --overlap-grad-reduce)
     max_kept_weight_bytes: int = -1  # -1: no bound
     broken: str = ""  # negative control (_break): "stale" or "lost-behind"
 
@@ -88,7 +89,8 @@ def _build(case: StepCase, llep: bool, states=None):
                         clip_grad=1.0, bf16=False),
         chunks,
     )
-    config.no_sync_func = [c.no_sync for c in chunks] if case.vpp > 1 else chunks[0].no_sync
+    if case.no_sync:
+        config.no_sync_func = [c.no_sync for c in chunks] if case.vpp > 1 else chunks[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     if case.grad_sync_func:
         config.grad_sync_func = [c.start_grad_sync for c in chunks] if case.vpp > 1 else chunks[0].start_grad_sync

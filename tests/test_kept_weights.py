@@ -14,6 +14,7 @@ from step_worker import StepCase, accumulate_without_ddp, evaluation_keeps_copie
 
 TWO_RANKS = [
     StepCase("sync-grad-reduce", ep=2, overlap_grad_reduce=False),
+    StepCase("sync-grad-reduce-no-no-sync", ep=2, overlap_grad_reduce=False, no_sync=False),
     StepCase("overlap-grad-reduce", ep=2),
     StepCase("plain-optimizer", ep=2, distributed_optimizer=False),
     StepCase("nothing-kept", ep=2, max_kept_weight_bytes=0),
@@ -53,8 +54,12 @@ def test_kept_copies_train_like_plain_ep_on_two_ranks():
     # kept copies serve the later micro-batches of the step: fewer copies than one per micro-batch
     kept = results["overlap-grad-reduce"]
     assert 0 < kept["copies"] < results["nothing-kept"]["copies"] and kept["held"] > 0
-    # without overlapped grad reduce the second layer's return ends behind the first layer's backward
+    # without overlapped grad reduce the second layer's return ends behind the first layer's backward;
+    # without no_sync (Megatron-LM's way without --overlap-grad-reduce) the step's last backward is not
+    # known: the copies serve every micro-batch and return at finish_grad_sync
     assert results["sync-grad-reduce"]["behind"] > 0 and kept["behind"] == 0
+    unknown_last = results["sync-grad-reduce-no-no-sync"]
+    assert unknown_last["behind"] == 0 and unknown_last["copies"] == results["sync-grad-reduce"]["copies"]
     assert results["nothing-kept"]["held"] == 0
     stale = results["stale-copies"]
     assert stale["param_rel_diff"] > 1e-3, "copies kept past the optimizer step went unnoticed"
