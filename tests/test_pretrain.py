@@ -110,7 +110,8 @@ def runs(tmp_path_factory) -> dict:
     if (out / "skip.txt").exists():
         pytest.skip((out / "skip.txt").read_text())
     results = {run["name"]: json.loads((out / f"{run['name']}.json").read_text()) for run in runs}
-    return {"scalars": results, "stdout": proc.stdout, "wandb": out / "wandb", "ckpt": ckpt,
+    returns = {run["name"]: json.loads((out / f"{run['name']}.returns.json").read_text()) for run in runs}
+    return {"scalars": results, "returns": returns, "stdout": proc.stdout, "wandb": out / "wandb", "ckpt": ckpt,
             "datasets": json.loads((out / "datasets.json").read_text()), "out": out}
 
 
@@ -150,6 +151,11 @@ def test_llep_trains_like_plain_ep_and_spills(runs):
         assert min(_series(llep, f"moe/layer_{layer}/weight_bytes")) > 0
     assert not any(key.startswith("moe/layer_") for key in plain)
     assert "LLEP: 2/2 layers spilled" in runs["stdout"]
+    # borrowed experts kept for the step: without --overlap-grad-reduce the plugin's no_sync_func marks the
+    # first of the 2 micro-batches, so each step's return begins in its last backward (once per layer and
+    # step) and the second layer's moves on behind the first layer's backward
+    returns = runs["returns"]["llep"]
+    assert returns["started"] == 2 * ITERS and returns["behind"] > 0, returns
 
 
 @needs_megatron_training
