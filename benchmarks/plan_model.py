@@ -324,7 +324,9 @@ def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: in
                 continue
             phases, return_crossing = step_gradient_return(held, shape, model, configured.relay_within_node)
             return_s = sum(phases)
-            behind_s = behind_backward(phases, window_s, MOE_LAYERS[shape.name])
+            # the runtime knows a step's last backward only from the earlier micro-batches' no_sync: a
+            # step of one returns at finish_grad_sync, after the whole backward
+            behind_s = behind_backward(phases, window_s, MOE_LAYERS[shape.name]) if k > 0 else return_s
             step_s = layer_s + return_s
             rows.append({
                 "model": shape.name, "ep": ep, "scenario": scenario.label, "micro_batches": k + 1,
