@@ -30,8 +30,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
-from megatron_llep.kept_weights import (KeptExperts, add_returned_gradients, add_to_param_grads, gradient_sync_on,
-                                        last_backward_of_step, ledger_for)
+from megatron_llep.kept_weights import (KeptExperts, add_returned_gradients, add_returned_outside_autograd,
+                                        gradient_sync_on, last_backward_of_step, ledger_for)
 from megatron_llep.metrics import STATS, LLEPStepStats
 from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
 from megatron_llep.weight_exchange import ExpertWeightExchange, attach_gradient_return, weight_exchange_group
@@ -396,8 +396,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         experts without ``main_grad``."""
         self._in_flight = max(self._in_flight - 1, 0)
         for layer, returned in self.ledger.progress_returns():
-            for local_expert, sums in add_returned_gradients(layer.adapter, returned):
-                add_to_param_grads(layer.adapter, local_expert, sums)
+            add_returned_outside_autograd(layer.adapter, returned)
         if not gradient_sync_on() or self._in_flight:
             return {}
         if self.return_behind_backward:  # the return waits for finish_grad_sync, behind the layers below if it can
@@ -406,20 +405,19 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 self.ledger.start_return(self, self.adapter, self.local_expert_indices[0], config.ranks_per_node,
                                          config.relay_within_node)
             return {}
-        return dict(self._return_kept())
+        return dict(add_returned_gradients(self.adapter, self._flush_kept()))
 
-    def _return_kept(self) -> list:
+    def _flush_kept(self) -> dict[int, list[torch.Tensor]]:
         config = self.llep_config
         returned = self.ledger.flush_layer(self, self.adapter, self.local_expert_indices[0], config.ranks_per_node,
                                            config.relay_within_node)
         self._in_flight = 0
-        return add_returned_gradients(self.adapter, returned)
+        return returned
 
     def flush_kept_gradients(self) -> None:
         """Return this layer's kept experts' gradients now, outside autograd (every EP rank calls
         it at the same point: :func:`megatron_llep.kept_weights.finish_borrowed_gradients`)."""
-        for local_expert, sums in self._return_kept():
-            add_to_param_grads(self.adapter, local_expert, sums)
+        add_returned_outside_autograd(self.adapter, self._flush_kept())
 
     def training_forward_without_grad(self) -> bool:
         """A training forward whose autograd graph is not built now: Megatron's activation

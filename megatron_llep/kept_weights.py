@@ -302,6 +302,13 @@ def add_returned_gradients(adapter: ExpertAdapter, returned: dict[int, list[torc
     return rest
 
 
+def add_returned_outside_autograd(adapter: ExpertAdapter, returned: dict[int, list[torch.Tensor]]) -> None:
+    """Add flushed fp32 sums into ``main_grad``, or into ``param.grad`` where there is none: for a
+    return that ends where no autograd node of the lent experts can carry them."""
+    for local_expert, sums in add_returned_gradients(adapter, returned):
+        add_to_param_grads(adapter, local_expert, sums)
+
+
 def add_to_param_grads(adapter: ExpertAdapter, local_expert: int, sums: list[torch.Tensor]) -> None:
     """Add returned fp32 sums into a lent expert's ``param.grad`` (no DDP ``main_grad``), outside
     autograd: where no autograd node of this micro-batch can carry them."""

@@ -124,24 +124,12 @@ def main(out_dir: str, spec_path: str) -> None:
         with open(os.path.join(out_dir, "datasets.json"), "w") as f:
             json.dump(built, f)
     torch.distributed.barrier()
-    from megatron_llep import kept_weights
+    from megatron_llep.testing.kept_returns import counting_gradient_returns
 
-    returns = {"started": 0, "behind": 0}  # kept-gradient returns begun, and moved on behind a later layer's backward
-    start_return, progress_returns = kept_weights.KeptLedger.start_return, kept_weights.KeptLedger.progress_returns
-
-    def counted_start(ledger, layer, *args):
-        returns["started"] += int(ledger.held_for(layer) is not None)
-        return start_return(ledger, layer, *args)
-
-    def counted_progress(ledger):
-        returns["behind"] += len(ledger.returning)
-        return progress_returns(ledger)
-
-    kept_weights.KeptLedger.start_return, kept_weights.KeptLedger.progress_returns = counted_start, counted_progress
     for run in spec["runs"]:
         STATS.drain()
-        returns.update(started=0, behind=0)
-        with BROKEN_MAPPINGS[run["broken"]]() if run.get("broken") else contextlib.nullcontext():
+        with (BROKEN_MAPPINGS[run["broken"]]() if run.get("broken") else contextlib.nullcontext(),
+              counting_gradient_returns({}) as returns):
             pretrain_gpt.main(run["argv"])
         destroy_global_state()
         if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:

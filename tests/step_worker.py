@@ -25,6 +25,7 @@ from megatron_llep import kept_weights
 from megatron_llep.config import LLEPConfig
 from megatron_llep.layer import with_llep
 from megatron_llep.scenarios import force_routing
+from megatron_llep.testing.kept_returns import counting_gradient_returns
 from megatron_llep.weight_exchange import ExpertWeightExchange
 
 VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 8, 2, 8, 2
@@ -195,8 +196,7 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         plain_losses = _train(case, plain_model, plain_opt, rank)
         counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0}
         local = EXPERTS // case.ep
-        start, begin = ExpertWeightExchange.start, kept_weights.KeptLedger.start_return
-        progress = kept_weights.KeptLedger.progress_returns
+        start = ExpertWeightExchange.start
 
         def counting_start(exchange):
             if not exchange._posted:
@@ -205,23 +205,14 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
                 counts["held"] += len(exchange.held)
             start(exchange)
 
-        def counting_begin(ledger, layer, *args):
-            counts["returns"] += int(ledger.held_for(layer) is not None)
-            return begin(ledger, layer, *args)
-
-        def counting_progress(ledger):  # returns moved on at a later layer's backward
-            counts["behind"] += len(ledger.returning)
-            return progress(ledger)
-
-        ExpertWeightExchange.start, kept_weights.KeptLedger.start_return = counting_start, counting_begin
-        kept_weights.KeptLedger.progress_returns = counting_progress
+        ExpertWeightExchange.start = counting_start
         restore = _break(case)
         try:
-            llep_losses = _train(case, llep_model, llep_opt, rank)
+            with counting_gradient_returns(counts):
+                llep_losses = _train(case, llep_model, llep_opt, rank)
         finally:
             restore()
-            ExpertWeightExchange.start, kept_weights.KeptLedger.start_return = start, begin
-            kept_weights.KeptLedger.progress_returns = progress
+            ExpertWeightExchange.start = start
         worst = 0.0
         for plain_chunk, llep_chunk in zip(plain_model, llep_model):
             plain_params = dict(plain_chunk.module.named_parameters())
