@@ -5,7 +5,8 @@ failed worker by raising ``ChildFailedError``, each with a Python traceback; it 
 turn them off. This wrapper runs torchrun's own ``main`` (its error-file handling included) and
 turns both into one line and the conventional exit status: 128 + the signal for a signal (the
 workers were sent it too and, with ``--save``, save and stop), the first failed worker's own
-status (e.g. 2 for a usage error) when a worker fails. Workers' own messages are theirs.
+status (e.g. 2 for a usage error) when a worker fails (a worker that ended because another died, exit
+status 75, is not the first: :func:`first_cause`). Workers' own messages are theirs.
 
 Before starting anything it checks the static rendezvous (``--master_addr`` / ``--master_port``, what
 launch/torchrun.sh and slurm.sbatch pass): a port outside 1-65535, a master address that does not
@@ -22,7 +23,7 @@ import sys
 from typing import Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import main as torchrun_main
 from torch.distributed.run import parse_args as torchrun_args
 from torch.distributed.run import parse_min_max_nnodes
@@ -31,6 +32,18 @@ from torch.distributed.run import parse_min_max_nnodes
 def exit_status(exitcode: int) -> int:
     """A worker's status as a shell reports it: killed by signal N -> 128 + N."""
     return 128 - exitcode if exitcode < 0 else exitcode
+
+
+LOST_PEER_EXIT_CODE = 75
+"""Exit status of a worker that ended because another worker died (``recipes.watchdog.LOST_PEER_EXIT_CODE``;
+this launcher runs without recipes/ on its path)."""
+
+
+def first_cause(err: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The failed worker to name: torchrun's first failure, except that workers which ended because a peer
+    died come after those that did not. torchrun orders failures by whole-second timestamps, so a survivor
+    that ends within a second of the worker that died would otherwise be named in its place."""
+    return min(err.failures.items(), key=lambda item: (item[1].exitcode == LOST_PEER_EXIT_CODE, item[1].timestamp))
 
 
 def _signal_name(number: int) -> str:
@@ -83,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "--save, then stops)", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = first_cause(err)
         how = (f"was killed by {_signal_name(-failure.exitcode)}" if failure.exitcode < 0
                else f"exited with status {failure.exitcode}")
         others = len(err.failures) - 1

@@ -175,7 +175,8 @@ class EntryPoint:
     def ending_cleanly(self) -> Iterator[None]:
         """Around an entry point's work: an error caused by a rank that died (its collective's peer is
         gone) ends this rank with one line for the job naming that rank, exit status
-        :data:`recipes.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback; an LLEP row budget
+        :data:`recipes.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback
+        (:func:`recipes.watchdog.end_after_lost_peer`); an LLEP row budget
         no plan can meet (``--llep-max-tokens-per-rank``) is a usage error (one line, exit 2); this
         rank's other errors pass through."""
         from megatron_llep.planner import InfeasibleBudgetError
@@ -189,9 +190,7 @@ class EntryPoint:
             line = watchdog.lost_peer_line(err)
             if line is None:
                 raise
-            if line:
-                print(f"[{self.name}] error: {line}", file=sys.stderr, flush=True)
-            raise SystemExit(watchdog.LOST_PEER_EXIT_CODE) from None
+            watchdog.end_after_lost_peer(f"[{self.name}] error: {line}" if line else None)
 
     def stopped_by(self, signum: int, iteration: int, checkpoint: Optional[str], save: Optional[str],
                    load: Optional[str]) -> NoReturn:

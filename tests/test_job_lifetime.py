@@ -113,7 +113,7 @@ def test_a_killed_rank_is_named_in_one_line(tmp_path):
     errors = job.errors("finetune")
     assert len(errors) == 1 and errors[0].startswith("[finetune] error: rank 1 died, last heard in "), stderr[-3000:]
     assert errors[0].endswith("; ending the job")
-    # the launcher's line: rank 0 failed too (with the lost-peer status, not torchrun's SIGTERM: it ignores that)
+    # the launcher's line: rank 0 failed too (with the lost-peer status 75, not torchrun's SIGTERM: it ignores that)
     assert f"[torchrun] rank 1 (pid {victim}) was killed by SIGKILL (1 other rank(s) failed after it)" in stderr
     assert "Traceback" not in stderr, stderr[-3000:]
 
@@ -264,6 +264,37 @@ def test_a_lost_connection_is_told_from_a_ranks_own_error():
     except ValueError as wrapped:
         assert lost_peer_line(wrapped).startswith("lost the connection to another rank (Connection reset by peer)")
     assert lost_peer_line(ValueError("a bug")) is None
+
+
+def test_a_rank_ending_for_a_lost_peer_is_not_named_as_the_cause(tmp_path):
+    """end_after_lost_peer prints the line, runs the Python exit handlers (the save lock's release) and exits
+    with the lost-peer status; the launcher then names the rank that died, although torchrun's whole-second
+    timestamps tie and the survivor comes first; with a status of its own it names the survivor."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from torchrun import LOST_PEER_EXIT_CODE, first_cause
+
+    from recipes import watchdog
+
+    assert LOST_PEER_EXIT_CODE == watchdog.LOST_PEER_EXIT_CODE
+    handled = tmp_path / "atexit"
+    code = (f"import atexit, pathlib; atexit.register(pathlib.Path({str(handled)!r}).touch); "
+            "from recipes import watchdog; watchdog.end_after_lost_peer('[finetune] error: rank 1 died'); "
+            "print('not reached')")
+    ended = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert (ended.returncode, ended.stdout, ended.stderr) == (LOST_PEER_EXIT_CODE, "", "[finetune] error: rank 1 died\n")
+    assert handled.exists()
+
+    def failed(local_rank: int, exitcode: int) -> ProcessFailure:
+        failure = ProcessFailure(local_rank=local_rank, pid=10 + local_rank, exitcode=exitcode,
+                                 error_file=str(tmp_path / "none.json"))
+        failure.timestamp = 1_700_000_000  # the same second
+        return failure
+
+    killed = failed(1, -signal.SIGKILL)
+    assert first_cause(ChildFailedError("finetune.py", {0: failed(0, LOST_PEER_EXIT_CODE), 1: killed}))[0] == 1
+    assert first_cause(ChildFailedError("finetune.py", {0: failed(0, 1), 1: killed}))[0] == 0  # negative control
 
 
 def test_the_watchdog_tells_dead_ranks_from_silent_ones():
