@@ -277,8 +277,8 @@ MOE_LAYERS = {"gpt-oss-120b": 36, "deepseek-v3": 58, "kimi-k2": 60}
 
 
 def behind_backward(phases: list[float], window_s: float, moe_layers: int) -> float:
-    """Seconds per layer that a return run behind the backward of the layers below (Megatron DDP
-    without overlapped grad reduce) adds to the step: phase k is posted at the k-th LLEP layer's
+    """Seconds per layer that a return run behind the backward of the layers below (under Megatron
+    DDP) adds to the step: phase k is posted at the k-th LLEP layer's
     backward below and waited for at the next, so it hides in that layer's backward GEMMs
     (``window_s``, when the links are free of its token all-to-all) and shows only beyond them;
     the layer ``i`` from the bottom has only ``i - 1`` layers below, so phases ``i - 1 ..`` of it
@@ -293,8 +293,8 @@ def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: in
     scenario, planned in order; a row per step length in MICRO_BATCHES (a shorter step is the
     first micro-batches of a longer one) and weight handling, against that many micro-batches of
     the force-balanced ideal. Kept copies carry forward as ``held`` and return their gradients
-    once, at the end of the step (``llep_vs_ideal``: in the layer's last backward, as with
-    overlapped grad reduce; ``llep_vs_ideal_behind``: behind the layers below, as without it);
+    once, at the end of the step (``llep_vs_ideal``: in the layer's last backward, as loops without
+    Megatron DDP; ``llep_vs_ideal_behind``: behind the layers below, as under Megatron DDP);
     transient copies return theirs in their micro-batch."""
     es, model = expert_shape(shape), config.cost_model
     ideal_layer = ideal_prediction(shape, ep, config)
@@ -408,7 +408,7 @@ def run_steps(args: argparse.Namespace, config: LLEPConfig) -> None:
 
 def step_summary(rows: list[dict]) -> str:
     """Worst LLEP/ideal per (P, K, weight handling), and the points above 1.10; for kept copies
-    also with the return behind the layers below (DDP without overlapped grad reduce)."""
+    also with the return behind the layers below (as under Megatron DDP)."""
     lines = []
     for key in sorted({(r["ep"], r["micro_batches"], r["weights"]) for r in rows}):
         group = [r for r in rows if (r["ep"], r["micro_batches"], r["weights"]) == key]

@@ -30,8 +30,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
-from megatron_llep.kept_weights import (KeptExperts, add_returned_gradients, add_returned_outside_autograd,
-                                        gradient_sync_on, last_backward_of_step, ledger_for)
+from megatron_llep.kept_weights import (DeferredGradReady, KeptExperts, add_returned_gradients,
+                                        add_returned_outside_autograd, gradient_sync_on, last_backward_of_step,
+                                        ledger_for)
 from megatron_llep.metrics import STATS, LLEPStepStats
 from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
 from megatron_llep.weight_exchange import ExpertWeightExchange, attach_gradient_return, weight_exchange_group
@@ -259,8 +260,10 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.ledger = ledger_for(self.weight_group)
         self.ledger.register(self)
         self._in_flight = 0
-        # set when Megatron DDP without overlapped grad reduce wraps the layer (kept_weights._after_ddp_built)
+        # set when Megatron DDP wraps the layer (kept_weights._after_ddp_built): the step's return runs
+        # behind the backward, and with overlapped grad reduce the native experts' buckets wait for it
         self.return_behind_backward = False
+        self.deferred_grad_ready: Optional[DeferredGradReady] = None
         # Megatron sets this only in its own preprocess; its D2H helper reads it on every step.
         self.num_global_tokens_per_local_expert = None
 
@@ -367,15 +370,17 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """Thread the experts' input through the node that ends this micro-batch's gradient
         returns (:func:`~megatron_llep.weight_exchange.attach_gradient_return`), on every EP rank
         alike whenever any LLEP layer keeps borrowed experts (any rank's, by the ledger: the step's
-        return may happen in, or move on at, this backward), and wherever this rank lends or
-        borrows now."""
+        return may happen in, or move on at, this backward) or Megatron DDP overlaps grad reduce
+        (its expert buckets are let through here: kept_weights.DeferredGradReady), and wherever this
+        rank lends or borrows now."""
         exchange = self.weight_exchange
         if not (torch.is_grad_enabled() and self.training):
             return expert_input  # no backward, or (activation recompute) the node comes with the recompute
         held = self.ledger.held_for(self)
         # any layer's kept copies: every layer's backward, on every EP rank, is a point where returns
         # under way move on (kept_weights.GradientReturn), so the node is made alike everywhere
-        if exchange is None and not any(h.any() for h in self.ledger.held.values()) and not self.ledger.returning:
+        if (exchange is None and not any(h.any() for h in self.ledger.held.values()) and not self.ledger.returning
+                and self.deferred_grad_ready is None):
             self._in_flight = max(self._in_flight - 1, 0)  # this forward's backward returns nothing
             return expert_input
         local = self.num_local_experts
@@ -390,13 +395,16 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """At the end of a micro-batch's backward (on every EP rank alike): move the returns under
         way on by a phase, then start or make the step's return of this layer's kept experts'
         gradients when this is the reducing backward (gradient sync on) and no forward of the
-        layer still awaits its backward: here, or, when nothing reads the gradients before DDP's
-        ``finish_grad_sync`` (``return_behind_backward``), behind the layers below from the step's
-        known last backward and otherwise at ``finish_grad_sync``. Returns the fp32 sums of lent
-        experts without ``main_grad``."""
+        layer still awaits its backward: here, or, under Megatron DDP (``return_behind_backward``),
+        behind the layers below from the step's known last backward and otherwise at
+        ``finish_grad_sync``; native experts' DDP buckets held back for returns that have now ended
+        start reducing. Returns the fp32 sums of lent experts
+        without ``main_grad``."""
         self._in_flight = max(self._in_flight - 1, 0)
         for layer, returned in self.ledger.progress_returns():
             add_returned_outside_autograd(layer.adapter, returned)
+        if self.deferred_grad_ready is not None and gradient_sync_on():
+            self.deferred_grad_ready.release(below=self)  # the layers above are complete
         if not gradient_sync_on() or self._in_flight:
             return {}
         if self.return_behind_backward:  # the return waits for finish_grad_sync, behind the layers below if it can

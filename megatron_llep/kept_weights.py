@@ -14,16 +14,16 @@ return) and posts matching transfers without asking anyone.
 
 When the gradients go back (the step's gradient reduction must see them):
 
-* in the layer's backward, when gradient sync is on (outside Megatron DDP's ``no_sync``: the last
-  micro-batch of a step under Megatron's schedules, or every backward of a loop without
-  ``no_sync``) and no other forward of the layer awaits its backward: before the native experts'
-  DDP hooks fire, so overlapped grad reduce sees the whole gradient. Under Megatron DDP without
-  overlapped grad reduce nothing reads the gradients before ``finish_grad_sync``: in the step's
-  last backward (known when the earlier ones ran under ``no_sync``) only the first phase is posted,
-  and the return runs behind the backward of the layers below (:class:`GradientReturn`, one phase
-  per LLEP layer's backward); when the last backward is not known (Megatron-LM without
-  ``--overlap-grad-reduce`` sets no ``no_sync_func``) the copies serve every micro-batch and return
-  at ``finish_grad_sync``;
+* under Megatron DDP, behind the backward: the step's last backward (known when the earlier ones
+  ran under ``no_sync``) posts only the first phase, and the return runs behind the backward of the
+  layers below (:class:`GradientReturn`, one phase per LLEP layer's backward); when the last backward
+  is not known (Megatron-LM without ``--overlap-grad-reduce`` sets no ``no_sync_func``, or a step of
+  one micro-batch) the copies serve every micro-batch and return at ``finish_grad_sync``. Without
+  overlapped grad reduce nothing reads the gradients before ``finish_grad_sync``; with it the
+  expert buckets start reducing in one fixed order once their gradients are home
+  (:class:`DeferredGradReady`, which also keeps data-parallel ranks with different routing in step);
+* in loops without Megatron DDP, in the layer's backward when gradient sync is on (outside
+  ``no_sync``) and no other forward of the layer awaits its backward;
 * otherwise before Megatron DDP's ``start_grad_sync`` (``config.grad_sync_func`` of pipeline
   stages whose reduce starts after the last backward) or ``finish_grad_sync``
   (``finalize_model_grads``): :func:`megatron_llep.compat.mcore.hook_ddp_gradient_sync` watches
@@ -395,16 +395,82 @@ def finish_borrowed_gradients(model: Any = None) -> None:
             dispatcher.flush_kept_gradients()
 
 
+class DeferredGradReady:
+    """The order in which one Megatron DDP module's expert buckets start reducing, kept the same on
+    every data-parallel rank while LLEP changes the backward.
+
+    With overlapped grad reduce, each parameter's backward hook calls ``register_grad_ready`` and a
+    bucket group starts its reduce once all of its parameters did. Data-parallel ranks must start
+    them in the same order (their collectives pair up in order), but LLEP's backward differs
+    between them with their routing: lent experts' hooks wait for the gradient-return node, and a
+    native expert's gradient is final only once its helpers' kept gradients arrived, which,
+    returned behind the backward, is after its hook. So in the step's last backward every call of
+    the module's expert bucket groups waits here and goes through in one fixed order: layer by
+    layer from the top, each layer's experts' tensors in order, a layer once it is complete (the
+    backward reached an LLEP layer below it) and its kept gradients are home (:meth:`release`,
+    at each LLEP layer's backward and before DDP's own sync)."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = list(reversed(layers))  # the module's LLEP dispatchers, in backward order
+        self.position: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        for depth, layer in enumerate(self.layers):
+            tensors = [t for local in range(layer.num_local_experts) for t in layer.adapter.expert_tensors(local)]
+            self.position.update({tensor: (depth, index) for index, tensor in enumerate(tensors)})
+        self.waiting: list[dict[int, Any]] = [{} for _ in self.layers]
+        self.released = 0  # layers (from the top) released in this step
+
+    def intercept(self, register, param: torch.nn.Parameter, last_microbatch: bool) -> None:
+        if not last_microbatch:
+            register()  # DDP only counts the last micro-batch's calls
+            return
+        depth, index = self.position[param]
+        self.waiting[depth][index] = register
+
+    def release(self, below: Any = None) -> None:
+        """Let the waiting calls of the layers above LLEP layer ``below`` (None: of every layer)
+        through, in order, up to the first layer whose kept gradients are still away."""
+        stop = self.layers.index(below) if below is not None else len(self.layers)
+        while self.released < stop and not _gradients_away(self.layers[self.released]):
+            waiting = self.waiting[self.released]
+            for index in sorted(waiting):
+                waiting.pop(index)()
+            self.released += 1
+
+    def end_step(self) -> None:
+        """Before DDP's gradient sync, with every return finished: the rest, and a new step."""
+        self.release()
+        if self.released < len(self.layers) or any(self.waiting):
+            raise RuntimeError("LLEP: a native expert's gradient is still away at Megatron DDP's gradient sync "
+                               "(kept_weights.DeferredGradReady); please report this as a bug")
+        self.released = 0
+
+
+def _gradients_away(dispatcher: Any) -> bool:
+    """Whether kept gradients of the layer have still to reach their native ranks."""
+    return dispatcher in dispatcher.ledger.pending or dispatcher in dispatcher.ledger.returning
+
+
 def _after_ddp_built(ddp_module: torch.nn.Module) -> None:
-    """Under Megatron DDP without overlapped grad reduce nothing reads the experts' gradients
-    before ``finish_grad_sync``, so the step's return of kept gradients waits: it runs behind the
-    backward of the layers below (one phase per LLEP layer's backward) from the step's last
-    backward when that is known (:func:`last_backward_of_step`), else at ``finish_grad_sync``; with
-    overlapped grad reduce it ends in the layer's own backward, before the native experts' buckets
-    start reducing."""
-    behind = not ddp_module.ddp_config.overlap_grad_reduce
-    for dispatcher in _dispatchers([ddp_module]):
-        dispatcher.return_behind_backward = behind
+    """Under Megatron DDP the step's return of kept gradients runs behind the backward of the
+    layers below (one phase per LLEP layer's backward) from the step's last backward when that is
+    known (:func:`last_backward_of_step`), else at ``finish_grad_sync``. Without overlapped grad
+    reduce nothing reads the experts' gradients before ``finish_grad_sync``; with it the expert
+    buckets start reducing in a fixed order once their gradients are home (:class:`DeferredGradReady`)."""
+    dispatchers = _dispatchers([ddp_module])
+    deferred = None
+    # at EP = 1 every expert is local: LLEP never changes the backward (and experts share the dense buckets)
+    if ddp_module.ddp_config.overlap_grad_reduce and dispatchers and dispatchers[0].ledger.ep_size > 1:
+        deferred = DeferredGradReady(dispatchers)
+        grouped = mcore.intercept_grad_ready(ddp_module, deferred.position, deferred.intercept)
+        others = [name for name, param in ddp_module.named_parameters() if param in grouped and param not in deferred.position]
+        if others:
+            raise ValueError(f"LLEP with overlapped grad reduce: {others[0]} shares a gradient bucket with LLEP experts "
+                             "but is not in an LLEP layer; make every MoE layer an LLEP layer (megatron_llep.with_llep) "
+                             "or turn overlap_grad_reduce off")
+    ddp_module._llep_deferred_grad_ready = deferred
+    for dispatcher in dispatchers:
+        dispatcher.return_behind_backward = True
+        dispatcher.deferred_grad_ready = deferred
 
 
 def _before_ddp_sync(ddp_module: torch.nn.Module) -> None:
@@ -412,6 +478,9 @@ def _before_ddp_sync(ddp_module: torch.nn.Module) -> None:
     _NO_SYNC_IN_STEP = False
     if any(ledger.held or ledger.pending for ledger in _LEDGERS.values()):
         finish_borrowed_gradients(ddp_module)
+    deferred = getattr(ddp_module, "_llep_deferred_grad_ready", None)
+    if deferred is not None:
+        deferred.end_step()
 
 
 _OPTIMIZER_HOOK = None

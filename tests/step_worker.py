@@ -45,7 +45,8 @@ class StepCase:
     grad_sync_func: bool = False  # Megatron-LM's align_grad_reduce: stages start their reduce after the last backward
     no_sync: bool = True  # config.no_sync_func set (Megatron-LM sets it only with --overlap-grad-reduce)
     max_kept_weight_bytes: int = -1  # -1: no bound
-    broken: str = ""  # negative control (_break): "stale" or "lost-behind"
+    balanced_replica: bool = False  # the second data-parallel replica routes evenly: it keeps and returns nothing
+    broken: str = ""  # negative control (_break): "stale", "lost-behind" or "undeferred"
 
 
 def _config(case: StepCase) -> TransformerConfig:
@@ -120,6 +121,14 @@ def _routing(step: int, microbatch: int, rank: int, layer: int, ep: int) -> np.n
     return ids
 
 
+def _balanced_routing(step: int, microbatch: int, rank: int, layer: int, ep: int) -> np.ndarray:
+    """Each token to one expert of each half of the experts: every EP rank gets as many rows as
+    every other (EP = 2), so LLEP plans plain EP."""
+    rng = np.random.default_rng(100_000 * step + 1000 * microbatch + 10 * rank + layer)
+    half = EXPERTS // 2
+    return np.stack([rng.integers(0, half, BATCH * SEQ), rng.integers(half, EXPERTS, BATCH * SEQ)], axis=1)
+
+
 def _loss(output: torch.Tensor):
     loss = output.float().sum()
     return loss, torch.tensor(output.numel(), dtype=torch.int), {"lm loss": torch.stack([loss.detach(),
@@ -128,6 +137,7 @@ def _loss(output: torch.Tensor):
 
 def _train(case: StepCase, chunks, optimizer, rank: int) -> list[float]:
     ep_rank = parallel_state.get_expert_model_parallel_rank()
+    replica = parallel_state.get_expert_data_parallel_rank()
     forward_backward = get_forward_backward_func()
     losses = []
     for step in range(case.steps):
@@ -140,7 +150,8 @@ def _train(case: StepCase, chunks, optimizer, rank: int) -> list[float]:
             tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
             labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
             for layer in _moe_layers(model_chunk):
-                force_routing(layer.router, _routing(step, mb, ep_rank, layer.layer_number, case.ep))
+                routing = _routing if not (case.balanced_replica and replica == 1) else _balanced_routing
+                force_routing(layer.router, routing(step, mb, ep_rank, layer.layer_number, case.ep))
             position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
             return model_chunk(tokens, position_ids, None, labels=labels), _loss
 
@@ -158,7 +169,17 @@ def _train(case: StepCase, chunks, optimizer, rank: int) -> list[float]:
 def _break(case: StepCase):
     """Negative controls. "stale": the step's return drops nothing, the optimizer step invalidates
     nothing, so the next step computes with copies of the old weights. "lost-behind": the returns
-    that end behind a later layer's backward lose their sums."""
+    that end behind a later layer's backward lose their sums. "undeferred": with overlapped grad
+    reduce, expert buckets start reducing as their hooks fire (Megatron's way), before the helpers'
+    gradients arrived. Applied before the LLEP model is built."""
+    if case.broken == "undeferred":
+        intercept = kept_weights.DeferredGradReady.intercept
+        kept_weights.DeferredGradReady.intercept = lambda deferred, register, param, last_microbatch: register()
+
+        def restore_intercept():
+            kept_weights.DeferredGradReady.intercept = intercept
+
+        return restore_intercept
     if case.broken == "lost-behind":
         progress = kept_weights.KeptLedger.progress_returns
         kept_weights.KeptLedger.progress_returns = lambda ledger: [(layer, {}) for layer, _ in progress(ledger)]
@@ -192,6 +213,7 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
                                                  expert_model_parallel_size=case.ep)
         model_parallel_cuda_manual_seed(1234)
         plain_model, plain_opt = _build(case, llep=False)
+        restore = _break(case)
         llep_model, llep_opt = _build(case, llep=True, states=[chunk.module.state_dict() for chunk in plain_model])
         plain_losses = _train(case, plain_model, plain_opt, rank)
         counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0}
@@ -206,7 +228,6 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
             start(exchange)
 
         ExpertWeightExchange.start = counting_start
-        restore = _break(case)
         try:
             with counting_gradient_returns(counts):
                 llep_losses = _train(case, llep_model, llep_opt, rank)
@@ -267,7 +288,6 @@ def evaluation_keeps_copies(rank: int, world: int) -> dict:
     """Evaluation: the copies a forward received serve the next forwards (no new copy, outputs
     still stock EP's); a state-dict load drops them, so the forward after it computes with the new
     weights. Negative control ("stale"): with the load hook off, it computes with the old copies."""
-    from megatron_llep.layer import LLEPMoELayer
     from megatron_llep.scenarios import imbalanced_topk
     from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
 
@@ -316,4 +336,25 @@ def evaluation_keeps_copies(rank: int, world: int) -> dict:
         ExpertWeightExchange.start = start
         kept_weights.KeptLedger.invalidate = invalidate
     dist.barrier()
+    return result
+
+
+def mixed_expert_buckets(rank: int, world: int) -> dict:
+    """Megatron DDP around an LLEP MoE layer and a plain one, whose experts share one gradient
+    bucket: with overlapped grad reduce the bucket's start order cannot be kept (one error when DDP
+    is built); without it nothing is refused."""
+    from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
+
+    parallel_state.destroy_model_parallel()
+    init_expert_parallel(world)
+    cfg = moe_config(EXPERTS, 16, 12, TOPK, world)
+    llep_config = LLEPConfig(min_chunk_tokens=1, cost_aware=False)
+    result = {}
+    for overlap in (True, False):
+        module = torch.nn.ModuleList([build_moe_layer(cfg, llep_config), build_moe_layer(cfg, None)])
+        try:
+            DistributedDataParallel(cfg, DistributedDataParallelConfig(overlap_grad_reduce=overlap), module)
+            result[overlap] = None
+        except ValueError as err:
+            result[overlap] = str(err)
     return result

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import megatron.core
 import torch
@@ -227,6 +227,25 @@ def hook_ddp_gradient_sync(no_sync_depth: Callable[[int], None], before_sync: Ca
     DistributedDataParallel.start_grad_sync = start_grad_sync
     DistributedDataParallel.finish_grad_sync = finish_grad_sync
     DistributedDataParallel._llep_sync_hooks = True
+
+
+def intercept_grad_ready(ddp_module: torch.nn.Module, params: Iterable[torch.nn.Parameter],
+                         intercept: Callable[[Callable[[], None], torch.nn.Parameter, bool], None]) -> set:
+    """Route Megatron DDP's ``register_grad_ready`` (with overlapped grad reduce, a parameter's
+    gradient is final for the step; its bucket group starts reducing once all of the group's are)
+    of the bucket groups that hold any of ``params`` through ``intercept(register, param,
+    last_microbatch)``, which calls ``register()`` now or later; returns every parameter of those
+    groups. Same attributes in 0.16 to 0.19 (``param_to_bucket_group``, ``register_grad_ready``,
+    ``is_last_microbatch``, ``params``)."""
+    groups = {id(group): group for group in (ddp_module.param_to_bucket_group.get(p) for p in params) if group is not None}
+    for group in groups.values():
+        register = group.register_grad_ready
+
+        def routed(param, *args, _group=group, _register=register, **kwargs):
+            intercept(functools.partial(_register, param, *args, **kwargs), param, _group.is_last_microbatch)
+
+        group.register_grad_ready = routed
+    return {param for group in groups.values() for param in group.params}
 
 
 def moe_layer_number(layer: torch.nn.Module) -> Optional[int]:
