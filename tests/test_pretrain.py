@@ -93,6 +93,7 @@ def runs(tmp_path_factory) -> dict:
         {"name": "llep", "argv": [*forced, *LLEP, "--train-iters", str(ITERS), "--save", ckpt, "--save-interval", "2",
                                   "--wandb-project", "llep-test", "--wandb-exp-name", "pretrain",
                                   "--wandb-save-dir", str(out / "wandb")]},
+        {"name": "llep_overlap", "argv": [*forced, *LLEP, "--overlap-grad-reduce", "--train-iters", str(ITERS)]},
         {"name": "broken", "argv": [*forced, *LLEP, "--train-iters", "2"], "broken": "wrong_expert_sent"},
         {"name": "resumed", "argv": [*forced, *LLEP, "--train-iters", str(ITERS), "--load", ckpt, "--ckpt-step", "2"]},
         {"name": "placed", "argv": [*placed, "--train-iters", "2"]},
@@ -155,6 +156,17 @@ def test_llep_trains_like_plain_ep_and_spills(runs):
     # first of the 2 micro-batches, so each step's return begins in its last backward (once per layer and
     # step) and the second layer's moves on behind the first layer's backward
     returns = runs["returns"]["llep"]
+    assert returns["returns"] == 2 * ITERS and returns["behind"] > 0, returns
+
+
+@needs_megatron_training
+def test_llep_with_overlapped_grad_reduce_trains_like_plain_ep(runs):
+    """--overlap-grad-reduce: Megatron-LM's no_sync_func is DDP's own, the kept gradients still return
+    behind the backward, and the expert buckets wait for them (kept_weights.DeferredGradReady)."""
+    plain, overlap = runs["scalars"]["plain"], runs["scalars"]["llep_overlap"]
+    for key in ("lm loss", "grad-norm"):
+        assert _series(overlap, key) == pytest.approx(_series(plain, key), rel=1e-5, abs=1e-6), key
+    returns = runs["returns"]["llep_overlap"]
     assert returns["returns"] == 2 * ITERS and returns["behind"] > 0, returns
 
 
