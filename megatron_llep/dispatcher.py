@@ -397,9 +397,9 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         gradients when this is the reducing backward (gradient sync on) and no forward of the
         layer still awaits its backward: here, or, under Megatron DDP (``return_behind_backward``),
         behind the layers below from the step's known last backward and otherwise at
-        ``finish_grad_sync``; native experts' DDP buckets held back for returns that have now ended
-        start reducing. Returns the fp32 sums of lent experts
-        without ``main_grad``."""
+        ``finish_grad_sync``; with overlapped grad reduce, the expert buckets of the layers above
+        whose gradients are home start reducing (kept_weights.DeferredGradReady). Returns the fp32
+        sums of lent experts without ``main_grad``."""
         self._in_flight = max(self._in_flight - 1, 0)
         for layer, returned in self.ledger.progress_returns():
             add_returned_outside_autograd(layer.adapter, returned)
