@@ -1,7 +1,9 @@
 """megatron-llep: Least-Loaded Expert Parallelism (LLEP) for Megatron-Core MoE models.
 
 The planner (:mod:`megatron_llep.planner`), cost model and scenarios are pure and need no process
-group; :class:`LLEPMoELayer` and :func:`with_llep` put LLEP into a Megatron model.
+group; :class:`LLEPMoELayer` and :func:`with_llep` put LLEP into a Megatron model;
+:func:`accumulating_gradients` and :func:`finish_borrowed_gradients` end a training step in loops
+that do not run Megatron DDP.
 """
 
 from megatron_llep.config import LLEPConfig, RoutingPruning
@@ -19,6 +21,9 @@ __all__ = [
     "LLEPPlan",
     "RankPlan",
     "RoutingPruning",
+    "accumulating_gradients",
+    "drop_kept_experts",
+    "finish_borrowed_gradients",
     "plan_llep",
     "with_llep",
 ]
@@ -30,4 +35,8 @@ def __getattr__(name):
         from megatron_llep import layer
 
         return getattr(layer, name)
-    raise AttributeError(name)
+    if name in ("accumulating_gradients", "drop_kept_experts", "finish_borrowed_gradients"):
+        from megatron_llep import kept_weights
+
+        return getattr(kept_weights, name)
+    raise AttributeError(f"module 'megatron_llep' has no attribute {name!r}")

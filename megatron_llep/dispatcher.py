@@ -15,7 +15,7 @@ outputs are laid out exactly as plain EP's.
 from __future__ import annotations
 
 import time
-from collections import deque
+import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_llep.compat import mcore
+from megatron_llep.compat.torch_autograd import running_backward
 from megatron_llep.config import LLEPConfig
 from megatron_llep.experts import ExpertAdapter
 from megatron_llep.kept_weights import (DeferredGradReady, KeptExperts, add_returned_gradients,
@@ -40,6 +41,17 @@ from megatron_llep.weight_exchange import ExpertWeightExchange, attach_gradient_
 
 # torch 2.13 renamed all_gather_into_tensor (same signature); keep older torch working
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _routing_fingerprint(routing_map: torch.Tensor) -> torch.Tensor:
+    """One int64 that tells apart two routings with equal per-expert counts: per expert, the sum of
+    its tokens' positions, mixed over the experts (int64 wrap-around is a fine hash). A recompute
+    reproduces it exactly; another micro-batch almost never does."""
+    tokens, experts = routing_map.shape
+    positions = torch.arange(1, tokens + 1, dtype=torch.int32, device=routing_map.device).unsqueeze(1)
+    per_expert = (routing_map * positions).sum(dim=0, dtype=torch.int64)
+    mix = torch.arange(experts, dtype=torch.int64, device=routing_map.device) * 2654435761 + 1
+    return (per_expert * mix).sum()
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -208,9 +220,9 @@ def check_megatron_config(config: TransformerConfig, expert_tp_size: int) -> Non
 class _StepPlan:
     """One forward's plan and what this rank derived from it (kept for its recompute)."""
 
-    counts: np.ndarray
+    routing: np.ndarray  # [P, N + 1]: every rank's counts and routing fingerprint, as gathered
     plan: LLEPPlan
-    input_key: tuple
+    awaits_recompute: bool = False  # a no-grad forward whose recompute in backward reuses this step
     rank_plan: Optional[RankPlan] = None
     send_columns: Optional[_SendColumns] = None
     recv_perm: Optional[_RowPermutation] = None
@@ -243,13 +255,12 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.last_stats: Optional[LLEPStepStats] = None
         self._llep_active = False
         self._exchange: Optional[ExpertWeightExchange] = None
-        self._input_key: tuple = ()
+        self._step: Optional[_StepPlan] = None
         self._tokens_per_expert: Optional[torch.Tensor] = None
-        # set by the layer when Megatron recomputes its forward in backward (selective "moe" or full
-        # recompute): the plans of forwards awaiting their recompute, oldest first
-        self.forward_is_recomputed = False
         self.training = True
-        self._awaiting_recompute: deque["_StepPlan"] = deque()
+        # the steps of no-grad forwards inside Megatron's activation checkpointing (selective "moe"
+        # or full recompute), oldest first: each recompute in backward takes its own forward's
+        self._awaiting_recompute: list[_StepPlan] = []
         # borrowed weights travel on a communicator of their own, so that under NCCL they do not
         # queue behind (or in front of) the token all-to-all on the EP group's communicator
         self.weight_group = weight_exchange_group(self.ep_group)
@@ -259,6 +270,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.kept_copy_bytes = self.expert_shape.kept_copy_bytes
         self.ledger = ledger_for(self.weight_group)
         self.ledger.register(self)
+        # forwards of this layer in this step whose backward is still to come (the same count on
+        # every EP rank: the step's return of kept gradients waits until it is 0)
         self._in_flight = 0
         # set when Megatron DDP wraps the layer (kept_weights._after_ddp_built): the step's return runs
         # behind the backward, and with overlapped grad reduce the native experts' buckets wait for it
@@ -279,8 +292,6 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.ep_size == 1 or not self.llep_config.enabled:
             self._llep_active = False
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
-        # the layer input's storage identifies a micro-batch when its forward is recomputed in backward
-        self._input_key = (hidden_states.data_ptr(), tuple(hidden_states.shape))
         self._plan_from_counts(routing_map)
         if self._llep_active:
             routing_map, probs = self._send_columns.apply(routing_map, probs)
@@ -301,35 +312,38 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return self._tokens_per_expert
 
     def _plan_from_counts(self, routing_map: torch.Tensor) -> None:
-        """Gather the ``[P, N]`` counts, plan (or take the plan of the forward being recomputed),
-        and set the metadata of the chosen path."""
+        """Gather the ``[P, N]`` counts, plan (or, in a recompute, take the plan of the forward it
+        recomputes), and set the metadata of the chosen path."""
         device = routing_map.device
-        # one more entry per rank: whether this rank's input is that of the oldest forward awaiting
-        # its recompute, so that all EP ranks take the same decision below
-        # and the epoch of this rank's kept experts, so that a rank that dropped its copies on its
-        # own (kept_weights) makes every rank drop theirs before planning with them
-        head = self._awaiting_recompute[0] if self._awaiting_recompute and torch.is_grad_enabled() else None
-        match = int(head is not None and head.input_key == self._input_key)
-        local = torch.cat([routing_map.sum(dim=0).long(), torch.tensor([match, self.ledger.epoch], device=device)])
+        # per rank: its counts, a fingerprint of its routing (a recompute finds its own forward's
+        # step by both), and the epoch of its kept experts, so that a rank that dropped its copies
+        # on its own (kept_weights) makes every rank drop theirs before planning with them
+        local = torch.cat([routing_map.sum(dim=0).long(), _routing_fingerprint(routing_map).view(1),
+                           torch.tensor([self.ledger.epoch], device=device)])
         gathered = torch.empty(self.ep_size * (self.num_experts + 2), dtype=torch.long, device=device)
         _all_gather_single(gathered, local, group=self.ep_group)
         gathered = gathered.cpu().numpy().reshape(self.ep_size, self.num_experts + 2)
-        counts, inputs_match = gathered[:, :-2], bool(gathered[:, -2].all())
-        epochs = gathered[:, -1]
+        routing, epochs = gathered[:, :-1], gathered[:, -1]
+        counts = routing[:, :-1]
         if epochs.min() != epochs.max():
             self.ledger.drop_all("a rank dropped its kept borrowed experts")
             self.ledger.epoch = int(epochs.max())
         self.num_out_tokens = int(counts[self.ep_rank].sum())  # the permute's rows, dropped tokens excluded
 
-        step = self._recomputed_step(counts, inputs_match)
+        # a forward with grad inside a backward is an activation recompute: its backward was counted
+        # with the forward it recomputes, and its plan is that forward's
+        recompute = self.training and torch.is_grad_enabled() and running_backward()
+        step = self._recomputed_step(routing) if recompute else None
         if step is None:
-            step = self._plan_step(counts, device)
-            recomputed_later = self.forward_is_recomputed and self.training_forward_without_grad()
-            if recomputed_later:
-                self._awaiting_recompute.append(step)
-            if self.training and (torch.is_grad_enabled() or recomputed_later):  # a backward will follow
-                self._in_flight += 1
-                self.ledger.mark_pending(self)
+            step = self._plan_step(counts, routing, device)
+            if self.training and not recompute:
+                step.awaits_recompute = not torch.is_grad_enabled() and mcore.in_checkpointed_forward()
+                if step.awaits_recompute:
+                    self._awaiting_recompute.append(step)
+                if torch.is_grad_enabled() or step.awaits_recompute:  # a backward will follow
+                    self._in_flight += 1
+                    self.ledger.mark_pending(self)
+        self._step = step
         self.plan, self.rank_plan, self._exchange = step.plan, step.rank_plan, step.exchange
         if step.plan.is_plain_ep:
             self._llep_active = False
@@ -341,7 +355,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._input_split_list = step.rank_plan.input_splits.tolist()
         self._output_split_list = step.rank_plan.output_splits.tolist()
 
-    def _plan_step(self, counts: np.ndarray, device: torch.device) -> "_StepPlan":
+    def _plan_step(self, counts: np.ndarray, routing: np.ndarray, device: torch.device) -> "_StepPlan":
         start = time.perf_counter()
         config = self.llep_config
         plan = plan_llep(counts, config, self.expert_shape, self.layer_number, held=self.ledger.held_for(self),
@@ -352,7 +366,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self.llep_config.record_stats:
             self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)
             STATS.record(self.last_stats)
-        step = _StepPlan(counts, plan, self._input_key)
+        step = _StepPlan(routing, plan)
         if plan.is_plain_ep:
             return step
         step.rank_plan = plan.rank_view(self.ep_rank)
@@ -427,22 +441,39 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         it at the same point: :func:`megatron_llep.kept_weights.finish_borrowed_gradients`)."""
         add_returned_outside_autograd(self.adapter, self._flush_kept())
 
-    def training_forward_without_grad(self) -> bool:
-        """A training forward whose autograd graph is not built now: Megatron's activation
-        recompute runs it under ``no_grad`` and again, with grad, in backward."""
-        return self.training and not torch.is_grad_enabled()
+    @property
+    def forward_awaits_recompute(self) -> bool:
+        """Whether the forward running now is a no-grad forward that backward will recompute (its
+        received weights must outlive it)."""
+        return self._step is not None and self._step.awaits_recompute
 
-    def _recomputed_step(self, counts: np.ndarray, inputs_match: bool) -> Optional["_StepPlan"]:
-        """The saved plan (and received weights) of the forward that backward is recomputing now,
-        matched on every EP rank by the layer input's storage and by the global counts; ``None``
-        otherwise. All EP ranks decide alike: they gathered the same counts and match flags."""
-        if not self._awaiting_recompute or not torch.is_grad_enabled():
-            return None
-        step = self._awaiting_recompute.popleft()
-        if inputs_match and np.array_equal(step.counts, counts):
-            return step
-        self._awaiting_recompute.clear()  # out of order (or a forward that was never recomputed)
+    def _recomputed_step(self, routing: np.ndarray) -> Optional["_StepPlan"]:
+        """The saved step (plan and received weights) of the forward that backward is recomputing
+        now: the oldest waiting one whose gathered counts and routing fingerprints equal the
+        recompute's, whatever order the backwards run in. All EP ranks decide alike: they gathered
+        the same routing. A recompute that matches none (it did not reproduce its forward's
+        routing) is planned again and takes the place of the oldest, so every forward is counted
+        once; ``None`` then."""
+        for index, step in enumerate(self._awaiting_recompute):
+            if np.array_equal(step.routing, routing):
+                step.awaits_recompute = False
+                return self._awaiting_recompute.pop(index)
+        if self._awaiting_recompute:
+            self._awaiting_recompute.pop(0)
+            warnings.warn(f"LLEP: the activation recompute of MoE layer {self.layer_number} routed its tokens "
+                          "differently from its forward; it was planned again (is the recompute deterministic?)")
         return None
+
+    @property
+    def backwards_to_come(self) -> int:
+        """Forwards of this layer in this step whose backward has not run yet."""
+        return self._in_flight
+
+    def end_step(self) -> None:
+        """The step's backwards are over: no forward of it awaits a backward or a recompute (one that
+        never ran its backward must not hold the next step's return back)."""
+        self._awaiting_recompute.clear()
+        self._in_flight = 0
 
     def _plain_ep_metadata(self, counts: np.ndarray) -> torch.Tensor:
         """Megatron's preprocess outputs (expert TP size 1), derived from the gathered counts."""

@@ -159,8 +159,10 @@ class KeptLedger:
             names = ", ".join(str(getattr(layer, "layer_number", "?")) for layer in self.pending)
             raise RuntimeError(
                 f"LLEP: {reason} while gradients of borrowed experts (MoE layers {names}) have not been returned to "
-                "their native ranks; run the step through Megatron's schedule with config.finalize_model_grads_func "
-                "set, or call megatron_llep.finish_borrowed_gradients(model) after the last backward of the step")
+                "their native ranks (a forward of those layers has not run its backward, or the step's backwards "
+                "ran under no_sync); call megatron_llep.finish_borrowed_gradients(model) on every rank after the "
+                "step's last backward, or run the step through Megatron's schedule with "
+                "config.finalize_model_grads_func set")
         for layer in list(self.held):
             self.forget_layer(layer, layer.kept_copy_bytes)
         for layer in self.layer_list():
@@ -358,16 +360,29 @@ def last_backward_of_step() -> bool:
     return gradient_sync_on() and _NO_SYNC_IN_STEP
 
 
+_ACCUMULATING_DEPTH = 0  # > 0 inside accumulating_gradients()
+
+
 @contextlib.contextmanager
 def accumulating_gradients() -> Iterator[None]:
     """Backwards inside keep the kept experts' gradients on their helpers, as under Megatron DDP's
-    ``no_sync``: for loops that accumulate gradients over micro-batches without Megatron DDP.
-    Call :func:`finish_borrowed_gradients` on every rank after the step's last backward."""
+    ``no_sync``: for loops that accumulate gradients over micro-batches without Megatron DDP. On
+    leaving the (outermost) block, the layers none of whose forwards still awaits its backward
+    return their kept gradients; the others do in that backward (it runs with sync on). So the
+    gradients are complete after the block, and after the step's last backward when it runs
+    outside the block (Megatron's way). Layers under Megatron DDP (where the Megatron-LM plugin
+    uses this block as ``no_sync_func``) return at DDP's sync instead. Every EP rank must run the
+    same block."""
+    global _ACCUMULATING_DEPTH
     _count_no_sync(1)
+    _ACCUMULATING_DEPTH += 1
     try:
         yield
     finally:
         _count_no_sync(-1)
+        _ACCUMULATING_DEPTH -= 1
+    if _ACCUMULATING_DEPTH == 0:
+        _finish(_dispatchers(None), only_finished_layers=True)
 
 
 def _dispatchers(modules: Optional[Iterable[Any]]) -> list:
@@ -390,9 +405,18 @@ def finish_borrowed_gradients(model: Any = None) -> None:
     some other way calls it after the step's last backward, before reducing gradients. Every EP
     rank must call it."""
     chunks = model if model is None or isinstance(model, (list, tuple)) else [model]
-    for dispatcher in _dispatchers(chunks):
+    _finish(_dispatchers(chunks))
+
+
+def _finish(dispatchers: list, only_finished_layers: bool = False) -> None:
+    """Return the kept gradients of ``dispatchers`` and end their step (with
+    ``only_finished_layers``, of those outside Megatron DDP no forward of which awaits its backward)."""
+    for dispatcher in dispatchers:
+        if only_finished_layers and (dispatcher.backwards_to_come or dispatcher.return_behind_backward):
+            continue
         if dispatcher.ledger.held_for(dispatcher) is not None or dispatcher in dispatcher.ledger.pending:
             dispatcher.flush_kept_gradients()
+        dispatcher.end_step()
 
 
 class DeferredGradReady:
@@ -468,6 +492,7 @@ def _after_ddp_built(ddp_module: torch.nn.Module) -> None:
                              "but is not in an LLEP layer; make every MoE layer an LLEP layer (megatron_llep.with_llep) "
                              "or turn overlap_grad_reduce off")
     ddp_module._llep_deferred_grad_ready = deferred
+    ddp_module._llep_dispatchers = dispatchers
     for dispatcher in dispatchers:
         dispatcher.return_behind_backward = True
         dispatcher.deferred_grad_ready = deferred
@@ -476,8 +501,7 @@ def _after_ddp_built(ddp_module: torch.nn.Module) -> None:
 def _before_ddp_sync(ddp_module: torch.nn.Module) -> None:
     global _NO_SYNC_IN_STEP
     _NO_SYNC_IN_STEP = False
-    if any(ledger.held or ledger.pending for ledger in _LEDGERS.values()):
-        finish_borrowed_gradients(ddp_module)
+    _finish(getattr(ddp_module, "_llep_dispatchers", []))  # DDP modules built before any LLEP layer hold none
     deferred = getattr(ddp_module, "_llep_deferred_grad_ready", None)
     if deferred is not None:
         deferred.end_step()
@@ -495,6 +519,8 @@ def _install_optimizer_hook() -> None:
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     for ledger in _LEDGERS.values():
         ledger.invalidate("an optimizer step began")
+        for layer in ledger.layer_list():
+            layer.end_step()
 
 
 def drop_kept_experts(reason: str = "the expert weights changed") -> None:

@@ -64,11 +64,6 @@ class LLEPMoELayer(MoELayer):
         )
         if shared_experts is not None:
             self.token_dispatcher.set_shared_experts(shared_experts)
-        # Megatron recomputes this layer's forward in backward (selective "moe" or full recompute):
-        # the recompute reuses the forward's plan and received weights
-        self.token_dispatcher.forward_is_recomputed = bool(
-            self.moe_layer_recompute or getattr(config, "recompute_granularity", None) == "full"
-        )
         self.last_pruning_stats: Optional[PruningStepStats] = None
         self._device_costs: dict[tuple, torch.Tensor] = {}  # c_d seen from this EP rank
         # pruning rewrites the router's output, first among its hooks: whatever observes the router
@@ -146,7 +141,7 @@ class LLEPMoELayer(MoELayer):
             output, borrowed = finish(output)
             if borrowed:
                 borrowed_outputs += self.expert_adapter.forward_borrowed_part(piece, counts[a:b], piece_prob, borrowed)
-        if exchange is not None and not torch.is_grad_enabled() and not dispatcher.training_forward_without_grad():
+        if exchange is not None and not torch.is_grad_enabled() and not dispatcher.forward_awaits_recompute:
             exchange.release_received()  # no backward or recompute will use them
         if borrowed_outputs:
             # the slots' outputs in one tensor for the combine permutation; the parts are not needed

@@ -1,9 +1,15 @@
-"""Rank-side code of the kept-borrowed-experts tests: a tiny GPTModel with MoE layers trained through
-Megatron's own schedule (several micro-batches per step, routing different in each), Megatron DDP
-and the distributed optimizer, once with plain EP and once with LLEP from equal weights."""
+"""Rank-side code of the kept-borrowed-experts tests: a tiny GPTModel with MoE layers trained with
+several micro-batches per step (routing different in each, so one hot expert is borrowed by different
+helpers within a step), once with plain EP and once with LLEP from equal weights, in every kind of
+training loop: Megatron's own schedules with Megatron DDP (with and without the distributed optimizer,
+overlapped grad reduce, pipeline parallelism), plain ``loss.backward()`` loops in any backward order,
+:func:`megatron_llep.accumulating_gradients`, torch's DDP; with and without activation recompute. The
+gradients themselves are compared (``main_grad`` / ``.grad`` of every parameter just before the
+optimizer step), not only the parameters after it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 
@@ -21,7 +27,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_llep import kept_weights
+import megatron_llep
+from megatron_llep import dispatcher as llep_dispatcher, kept_weights
+from megatron_llep.compat.torch_autograd import running_backward
 from megatron_llep.config import LLEPConfig
 from megatron_llep.layer import with_llep
 from megatron_llep.scenarios import force_routing
@@ -29,6 +37,17 @@ from megatron_llep.testing.kept_returns import counting_gradient_returns
 from megatron_llep.weight_exchange import ExpertWeightExchange
 
 VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 8, 2, 8, 2
+
+# Training loops. "megatron": Megatron's schedule (get_forward_backward_func) around Megatron DDP and
+# its optimizer. Without Megatron DDP, with a torch optimizer: "each": forward and backward per
+# micro-batch; "reverse": every forward first, then the backwards in reverse order; "sum": every forward,
+# one backward of the summed losses; "accumulate": every micro-batch inside accumulating_gradients();
+# "accumulate-last-outside": all but the last inside (Megatron's no_sync pattern); "torch-ddp": torch's
+# DistributedDataParallel (one replica per EP rank) with no_sync for all but the last micro-batch.
+PLAIN_LOOPS = ("each", "reverse", "sum", "accumulate", "accumulate-last-outside", "torch-ddp")
+RECOMPUTE = {"": {}, "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+             "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+             "moe_act": dict(recompute_granularity="selective", recompute_modules=["moe_act"])}  # see moe_act_recompute
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,8 @@ class StepCase:
     vpp: int = 1  # virtual pipeline stages per rank (Megatron's interleaved 1F1B schedule when > 1)
     microbatches: int = 4
     steps: int = 2
+    loop: str = "megatron"  # or one of PLAIN_LOOPS
+    recompute: str = ""  # a key of RECOMPUTE
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = True
     ranks_per_node: int = 0  # 0: one node
@@ -46,11 +67,12 @@ class StepCase:
     no_sync: bool = True  # config.no_sync_func set (Megatron-LM sets it only with --overlap-grad-reduce)
     max_kept_weight_bytes: int = -1  # -1: no bound
     balanced_replica: bool = False  # the second data-parallel replica routes evenly: it keeps and returns nothing
-    broken: str = ""  # negative control (_break): "stale", "lost-behind" or "undeferred"
+    broken: str = ""  # negative control (_break): "stale", "lost-behind", "undeferred", "scaled-return", "replan"
 
 
 def _config(case: StepCase) -> TransformerConfig:
     return TransformerConfig(
+        **RECOMPUTE[case.recompute],
         num_layers=2 * case.pp * case.vpp, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
         num_moe_experts=EXPERTS, moe_ffn_hidden_size=12, moe_router_topk=TOPK,
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
@@ -63,8 +85,10 @@ def _config(case: StepCase) -> TransformerConfig:
 
 
 def _build(case: StepCase, llep: bool, states=None):
-    """The model chunks of this rank (one per virtual pipeline stage), Megatron DDP around each, one
-    optimizer, and the schedule's step functions on the config."""
+    """The model chunks of this rank (one per virtual pipeline stage) and their optimizer: under
+    Megatron's loop, Megatron DDP around each chunk, Megatron's optimizer and the schedule's step
+    functions on the config; otherwise the bare model (torch's DDP around it for "torch-ddp") and
+    torch's Adam."""
     config = _config(case)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
     if llep:
@@ -81,11 +105,18 @@ def _build(case: StepCase, llep: bool, states=None):
                          vp_stage=vp)
         if states is not None:
             chunk.load_state_dict(states[stage])
+        chunks.append(chunk)
+    if case.loop != "megatron":
+        model = chunks[0]
+        if case.loop == "torch-ddp":  # one replica per EP rank: its reducer's hooks and bucket copies run all the same
+            model = torch.nn.parallel.DistributedDataParallel(model, process_group=_own_group())
+        return [model], torch.optim.Adam(chunks[0].parameters(), lr=1e-2, eps=1e-4)
+    for stage, chunk in enumerate(chunks):
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    overlap_grad_reduce=case.overlap_grad_reduce,
                                                    use_distributed_optimizer=case.distributed_optimizer,
                                                    bucket_size=2000)
-        chunks.append(DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=stage > 0))
+        chunks[stage] = DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=stage > 0)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, adam_eps=1e-4, use_distributed_optimizer=case.distributed_optimizer,
                         clip_grad=1.0, bf16=False),
@@ -97,6 +128,16 @@ def _build(case: StepCase, llep: bool, states=None):
     if case.grad_sync_func:
         config.grad_sync_func = [c.start_grad_sync for c in chunks] if case.vpp > 1 else chunks[0].start_grad_sync
     return chunks, optimizer
+
+
+_OWN_GROUPS: dict = {}
+
+
+def _own_group():
+    """A process group of this rank alone (built by every rank, once)."""
+    if not _OWN_GROUPS:
+        _OWN_GROUPS.update({r: dist.new_group([r]) for r in range(dist.get_world_size())})
+    return _OWN_GROUPS[dist.get_rank()]
 
 
 def _moe_layers(model) -> list:
@@ -135,74 +176,183 @@ def _loss(output: torch.Tensor):
                                                                                       torch.tensor(float(output.numel()))])}
 
 
-def _train(case: StepCase, chunks, optimizer, rank: int) -> list[float]:
+class _RecomputedRouting:
+    """Forced routing that an activation recompute reproduces whatever order the backwards run in
+    (Megatron's own replay of recomputed routing pops its list in forward order): a router forward
+    outside a backward takes the ids set for it (:attr:`next_ids`) and records them under its
+    input's sum; a recompute, inside a backward, takes the ids recorded under the nearest sum."""
+
+    def __init__(self, router: torch.nn.Module) -> None:
+        self.router, self.next_ids, self.seen = router, None, []
+        router.register_forward_pre_hook(self)
+
+    def __call__(self, router: torch.nn.Module, args: tuple) -> None:
+        key = float(args[0].detach().double().sum())
+        if running_backward():
+            ids = min(self.seen, key=lambda seen: abs(seen[0] - key))[1]
+        else:
+            ids = self.next_ids
+            self.seen.append((key, ids))
+        force_routing(self.router, ids)
+
+
+def _microbatch(case: StepCase, model_chunk, step: int, mb: int):
+    """Micro-batch ``mb``'s tokens, labels and positions, with its routing forced on the chunk's MoE layers."""
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     replica = parallel_state.get_expert_data_parallel_rank()
-    forward_backward = get_forward_backward_func()
-    losses = []
+    gen = torch.Generator().manual_seed(7919 * step + 101 * mb + ep_rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    for layer in _moe_layers(model_chunk):
+        routing = _routing if not (case.balanced_replica and replica == 1) else _balanced_routing
+        if not isinstance(getattr(layer, "forced_routing", None), _RecomputedRouting):
+            layer.forced_routing = _RecomputedRouting(layer.router)
+        if mb == 0:
+            layer.forced_routing.seen.clear()
+        layer.forced_routing.next_ids = routing(step, mb, ep_rank, layer.layer_number, case.ep)
+    return tokens, labels, torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+
+
+def _gradients(chunks) -> dict:
+    """Every parameter's gradient as the optimizer step would read it: Megatron DDP's ``main_grad``,
+    else ``.grad``."""
+    grads = {}
+    for index, chunk in enumerate(chunks):
+        for name, param in chunk.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            grads[f"{index}.{name}"] = None if grad is None else grad.detach().clone()
+    return grads
+
+
+def _train(case: StepCase, chunks, optimizer) -> tuple[list[float], list[dict]]:
+    """The case's steps: per step the loss and every gradient just before the optimizer step."""
+    losses, grads = [], []
     for step in range(case.steps):
-        # every chunk reads the same micro-batch sequence (the first stage's tokens, the last stage's labels)
-        micro = [iter(range(case.microbatches)) for _ in chunks]
-
-        def forward_step(data_iterator, model_chunk):
-            mb = next(data_iterator)
-            gen = torch.Generator().manual_seed(7919 * step + 101 * mb + ep_rank)
-            tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-            labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-            for layer in _moe_layers(model_chunk):
-                routing = _routing if not (case.balanced_replica and replica == 1) else _balanced_routing
-                force_routing(layer.router, routing(step, mb, ep_rank, layer.layer_number, case.ep))
-            position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
-            return model_chunk(tokens, position_ids, None, labels=labels), _loss
-
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        result = forward_backward(forward_step_func=forward_step, data_iterator=micro if case.vpp > 1 else micro[0],
-                                  model=chunks, num_microbatches=case.microbatches, seq_length=SEQ,
-                                  micro_batch_size=BATCH, forward_only=False)
+        if case.loop == "megatron":
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses.append(_megatron_step(case, chunks, step))
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(_plain_step(case, chunks[0], step))
+        grads.append(_gradients(chunks))
         optimizer.step()
-        losses.append(float(sum(float(r["lm loss"][0]) for r in result)) if result else 0.0)
-    return losses
+    return losses, grads
+
+
+def _megatron_step(case: StepCase, chunks, step: int) -> float:
+    # every chunk reads the same micro-batch sequence (the first stage's tokens, the last stage's labels)
+    micro = [iter(range(case.microbatches)) for _ in chunks]
+
+    def forward_step(data_iterator, model_chunk):
+        tokens, labels, positions = _microbatch(case, model_chunk, step, next(data_iterator))
+        return model_chunk(tokens, positions, None, labels=labels), _loss
+
+    result = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=micro if case.vpp > 1 else micro[0], model=chunks,
+        num_microbatches=case.microbatches, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False)
+    return float(sum(float(r["lm loss"][0]) for r in result)) if result else 0.0
+
+
+def _plain_step(case: StepCase, model, step: int) -> float:
+    """One step of a loop without Megatron DDP (the case's ``loop``)."""
+    def forward(mb: int) -> torch.Tensor:
+        tokens, labels, positions = _microbatch(case, model, step, mb)
+        return model(tokens, positions, None, labels=labels).float().sum()
+
+    def accumulating(mb: int):
+        inside = case.loop == "accumulate" or (case.loop == "accumulate-last-outside" and mb < case.microbatches - 1)
+        if inside:
+            return megatron_llep.accumulating_gradients()
+        if case.loop == "torch-ddp" and mb < case.microbatches - 1:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    mbs = range(case.microbatches)
+    if case.loop in ("reverse", "sum"):
+        losses = [forward(mb) for mb in mbs]
+        if case.loop == "sum":
+            sum(losses).backward()
+        else:
+            for loss in reversed(losses):
+                loss.backward()
+        return float(sum(float(loss) for loss in losses))
+    total = 0.0
+    if case.loop == "accumulate":  # one block around the whole step
+        with megatron_llep.accumulating_gradients():
+            for mb in mbs:
+                loss = forward(mb)
+                loss.backward()
+                total += float(loss)
+        return total
+    for mb in mbs:
+        with accumulating(mb):
+            loss = forward(mb)
+            loss.backward()
+        total += float(loss)
+    return total
 
 
 def _break(case: StepCase):
-    """Negative controls. "stale": the step's return drops nothing, the optimizer step invalidates
-    nothing, so the next step computes with copies of the old weights. "lost-behind": the returns
-    that end behind a later layer's backward lose their sums. "undeferred": with overlapped grad
-    reduce, expert buckets start reducing as their hooks fire (Megatron's way), before the helpers'
-    gradients arrived. Applied before the LLEP model is built."""
+    """Negative controls, applied before the LLEP model is built; returns the undo. "stale": the
+    step's return drops nothing, the optimizer step invalidates nothing, so the next step computes
+    with copies of the old weights. "lost-behind": the returns that end behind a later layer's
+    backward lose their sums. "undeferred": with overlapped grad reduce, expert buckets start reducing
+    as their hooks fire (Megatron's way), before the helpers' gradients arrived. "scaled-return": the
+    first returned gradient of each step's return of kept copies is scaled by 1.001. "replan": a
+    recompute forward plans again instead of taking its forward's plan."""
+    undo = []
+
+    def patch(owner, name, value):
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
     if case.broken == "undeferred":
-        intercept = kept_weights.DeferredGradReady.intercept
-        kept_weights.DeferredGradReady.intercept = lambda deferred, register, param, last_microbatch: register()
-
-        def restore_intercept():
-            kept_weights.DeferredGradReady.intercept = intercept
-
-        return restore_intercept
-    if case.broken == "lost-behind":
+        patch(kept_weights.DeferredGradReady, "intercept", lambda deferred, register, param, last_microbatch: register())
+    elif case.broken == "lost-behind":
         progress = kept_weights.KeptLedger.progress_returns
-        kept_weights.KeptLedger.progress_returns = lambda ledger: [(layer, {}) for layer, _ in progress(ledger)]
+        patch(kept_weights.KeptLedger, "progress_returns", lambda ledger: [(layer, {}) for layer, _ in progress(ledger)])
+    elif case.broken == "scaled-return":
+        finish = kept_weights.GradientReturn.finish
 
-        def restore_progress():
-            kept_weights.KeptLedger.progress_returns = progress
+        def scaled_finish(returning):
+            sums = finish(returning)
+            for parts in sums.values():
+                parts[0].mul_(1.001)
+                break
+            return sums
 
-        return restore_progress
-    if case.broken != "stale":
-        return lambda: None
-    forget, invalidate = kept_weights.KeptLedger.forget_layer, kept_weights.KeptLedger.invalidate
+        patch(kept_weights.GradientReturn, "finish", scaled_finish)
+    elif case.broken == "replan":
+        patch(llep_dispatcher.LLEPTokenDispatcher, "_recomputed_step", lambda dispatcher, routing: None)
+    elif case.broken == "stale":
+        def keep_copies(ledger, layer, copy_bytes):
+            ledger.pending.discard(layer)
+            layer.kept.gradients = {}
 
-    def keep_copies(ledger, layer, copy_bytes):
-        ledger.pending.discard(layer)
-        layer.kept.gradients = {}
-
-    kept_weights.KeptLedger.forget_layer = keep_copies
-    kept_weights.KeptLedger.invalidate = lambda ledger, reason: None
+        patch(kept_weights.KeptLedger, "forget_layer", keep_copies)
+        patch(kept_weights.KeptLedger, "invalidate", lambda ledger, reason: None)
 
     def restore():
-        kept_weights.KeptLedger.forget_layer, kept_weights.KeptLedger.invalidate = forget, invalidate
+        for owner, name, value in reversed(undo):
+            setattr(owner, name, value)
 
     return restore
+
+
+def _relative_difference(ours: dict, reference: dict) -> float:
+    """The largest difference of any gradient from plain EP's, relative to that gradient's largest entry."""
+    worst = 0.0
+    for name, ref in reference.items():
+        got = ours[name]
+        if ref is None or got is None:
+            if (ref is None) != (got is None) and float((ref if got is None else got).abs().max()) > 0:
+                return float("inf")
+            continue
+        worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+    return worst
 
 
 def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
@@ -213,12 +363,13 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
                                                  expert_model_parallel_size=case.ep)
         model_parallel_cuda_manual_seed(1234)
         plain_model, plain_opt = _build(case, llep=False)
+        states = [getattr(chunk, "module", chunk).state_dict() for chunk in plain_model]
         restore = _break(case)
-        llep_model, llep_opt = _build(case, llep=True, states=[chunk.module.state_dict() for chunk in plain_model])
-        plain_losses = _train(case, plain_model, plain_opt, rank)
-        counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0}
+        llep_model, llep_opt = _build(case, llep=True, states=states)
+        plain_losses, plain_grads = _train(case, plain_model, plain_opt)
+        counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0, "plans": 0}
         local = EXPERTS // case.ep
-        start = ExpertWeightExchange.start
+        start, plan = ExpertWeightExchange.start, llep_dispatcher.plan_llep
 
         def counting_start(exchange):
             if not exchange._posted:
@@ -227,61 +378,35 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
                 counts["held"] += len(exchange.held)
             start(exchange)
 
-        ExpertWeightExchange.start = counting_start
+        def counting_plan(*args, **kwargs):
+            counts["plans"] += 1
+            return plan(*args, **kwargs)
+
+        ExpertWeightExchange.start, llep_dispatcher.plan_llep = counting_start, counting_plan
         try:
             with counting_gradient_returns(counts):
-                llep_losses = _train(case, llep_model, llep_opt, rank)
+                llep_losses, llep_grads = _train(case, llep_model, llep_opt)
         finally:
             restore()
-            ExpertWeightExchange.start = start
+            ExpertWeightExchange.start, llep_dispatcher.plan_llep = start, plan
+        grad_diff = max(_relative_difference(ours, ref) for ours, ref in zip(llep_grads, plain_grads))
         worst = 0.0
         for plain_chunk, llep_chunk in zip(plain_model, llep_model):
-            plain_params = dict(plain_chunk.module.named_parameters())
+            plain_params = dict(plain_chunk.named_parameters())
             worst = max([worst] + [float((p.detach() - plain_params[n].detach()).abs().max()
                                          / plain_params[n].abs().max().clamp_min(1e-30))
-                                   for n, p in llep_chunk.module.named_parameters()])
+                                   for n, p in llep_chunk.named_parameters()])
+        # planning runs once per forward: one plan per micro-batch, MoE layer of this rank and step
+        forwards = case.steps * case.microbatches * sum(len(_moe_layers(chunk)) for chunk in llep_model)
+        counts["extra_plans"] = counts.pop("plans") - forwards
         totals = torch.tensor(list(counts.values()))
         dist.all_reduce(totals)
         results.append({"case": dataclasses.asdict(case), "plain_losses": plain_losses, "llep_losses": llep_losses,
-                        "param_rel_diff": worst, **dict(zip(counts, totals.tolist()))})
+                        "grad_rel_diff": grad_diff, "param_rel_diff": worst, **dict(zip(counts, totals.tolist()))})
         for ledger in kept_weights._LEDGERS.values():  # the next case builds new layers
             ledger.held.clear(), ledger.pending.clear(), ledger.returning.clear()
             ledger.used[:] = 0
     return results
-
-
-def accumulate_without_ddp(rank: int, world: int, microbatches: int = 3) -> dict:
-    """One MoE layer without DDP, ``microbatches`` forward+backward passes inside
-    :func:`~megatron_llep.kept_weights.accumulating_gradients`, then
-    :func:`~megatron_llep.kept_weights.finish_borrowed_gradients`: the native experts' gradients
-    equal stock EP's. Negative control: measured before the finish call, they lack the helpers' part."""
-    from megatron_llep.scenarios import imbalanced_topk
-    from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
-
-    parallel_state.destroy_model_parallel()
-    init_expert_parallel(world)
-    cfg = moe_config(EXPERTS, 16, 12, TOPK, world, moe_enable_routing_replay=True)
-    stock = build_moe_layer(cfg, None, seed=3)
-    llep = build_moe_layer(cfg, LLEPConfig(min_chunk_tokens=1, cost_aware=False, imbalance_threshold=1.05), seed=3)
-
-    def accumulate(layer) -> None:
-        layer.zero_grad(set_to_none=True)
-        with kept_weights.accumulating_gradients():
-            for mb in range(microbatches):
-                force_routing(layer.router, imbalanced_topk(24, EXPERTS, TOPK, 0.9, 1 + mb % 2, seed=10 * mb + rank))
-                x = torch.randn(24, 1, 16, generator=torch.Generator().manual_seed(100 * mb + rank))
-                layer(x)[0].square().sum().backward()
-
-    def error() -> float:
-        reference = dict(stock.experts.named_parameters())
-        return max(float((p.grad - reference[n].grad).abs().max() / reference[n].grad.abs().max())
-                   for n, p in llep.experts.named_parameters())
-
-    accumulate(stock)
-    accumulate(llep)
-    before_finish = error()
-    kept_weights.finish_borrowed_gradients(llep)
-    return {"before_finish": before_finish, "after_finish": error()}
 
 
 def evaluation_keeps_copies(rank: int, world: int) -> dict:
@@ -358,3 +483,4 @@ def mixed_expert_buckets(rank: int, world: int) -> dict:
         except ValueError as err:
             result[overlap] = str(err)
     return result
+

@@ -3,9 +3,6 @@ and the distributed optimizer, trained a few steps with plain EP and with LLEP f
 
 from __future__ import annotations
 
-from typing import Optional
-
-import numpy as np
 import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -17,20 +14,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_llep.config import LLEPConfig
 from megatron_llep.layer import LLEPMoELayer, with_llep
-from megatron_llep.metrics import STATS
 from megatron_llep.scenarios import force_routing, imbalanced_topk
 from megatron_llep.testing.moe import init_expert_parallel
-from megatron_llep.weight_exchange import ExpertWeightExchange
 
 VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 8, 2, 8, 2
 
 
-def _config(ep: int, recompute: Optional[str] = None) -> TransformerConfig:
-    """``recompute``: None, "moe" (selective recompute of the MoE layers) or "full" (whole layers)."""
-    granularity = {None: {}, "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
-                   "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
+def _config(ep: int) -> TransformerConfig:
     return TransformerConfig(
-        **granularity[recompute],
         num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
         num_moe_experts=EXPERTS, moe_ffn_hidden_size=12, moe_router_topk=TOPK,
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
@@ -40,9 +31,8 @@ def _config(ep: int, recompute: Optional[str] = None) -> TransformerConfig:
     )
 
 
-def _build(ep: int, llep: bool, overlap: bool, state=None, overlap_param_gather: bool = False,
-           recompute: Optional[str] = None):
-    config = _config(ep, recompute)
+def _build(ep: int, llep: bool, overlap: bool, state=None, overlap_param_gather: bool = False):
+    config = _config(ep)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
     if llep:
         spec = with_llep(spec, LLEPConfig(min_chunk_tokens=1, cost_aware=False))
@@ -91,31 +81,18 @@ def _train(model, optimizer, rank: int, steps: int) -> tuple[list[float], list[d
 
 
 def train_and_compare(rank: int, world: int, overlap: bool, steps: int = 3, ep: int = 0,
-                      overlap_param_gather: bool = False, recompute: Optional[str] = None) -> dict:
+                      overlap_param_gather: bool = False) -> dict:
     """``ep`` defaults to the world size; with ``ep < world`` experts are data-parallel too, so the
     distributed optimizer shards them and ``overlap_param_gather`` defers their all-gather."""
     ep = ep or world
     init_expert_parallel(ep)
-    build = dict(overlap=overlap, overlap_param_gather=overlap_param_gather, recompute=recompute)
+    build = dict(overlap=overlap, overlap_param_gather=overlap_param_gather)
     plain_model, plain_opt = _build(ep, llep=False, **build)
     initial = {k: v.detach().clone() for k, v in plain_model.module.state_dict().items() if torch.is_tensor(v)}
     llep_model, llep_opt = _build(ep, llep=True, state=plain_model.module.state_dict(), **build)
     assert all(isinstance(m, LLEPMoELayer) for m in _moe_layers(llep_model))
     plain_losses, _ = _train(plain_model, plain_opt, rank, steps)
-    STATS.drain()
-    posted = []
-    original_start = ExpertWeightExchange.start
-
-    def counting_start(exchange):
-        posted.append(not exchange._posted)
-        original_start(exchange)
-
-    ExpertWeightExchange.start = counting_start
-    try:
-        llep_losses, llep_stats = _train(llep_model, llep_opt, rank, steps)
-    finally:
-        ExpertWeightExchange.start = original_start
-    recorded = {layer: len(entries) for layer, entries in STATS.drain().items()}
+    llep_losses, llep_stats = _train(llep_model, llep_opt, rank, steps)
     if overlap_param_gather:  # the last step's update is all-gathered only by the next forward
         for model in (plain_model, llep_model):
             model.start_param_sync(force_sync=True)
@@ -129,5 +106,4 @@ def train_and_compare(rank: int, world: int, overlap: bool, steps: int = 3, ep: 
     modes = [s.mode for step in llep_stats for s in step.values() if s is not None]
     transfers = sum(s.weight_transfers for step in llep_stats for s in step.values() if s is not None)
     return {"plain_losses": plain_losses, "llep_losses": llep_losses, "param_rel_diff": diffs,
-            "param_moved": moved, "modes": modes, "weight_transfers": transfers,
-            "stats_per_layer": recorded, "exchanges_posted": sum(posted), "exchange_starts": len(posted)}
+            "param_moved": moved, "modes": modes, "weight_transfers": transfers}

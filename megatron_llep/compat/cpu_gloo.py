@@ -4,7 +4,8 @@ Megatron-Core 0.16 assumes CUDA in a handful of places (side streams in the allt
 ``torch.cuda.current_device()`` used as a device, CUDA RNG state, hard-coded ``device="cuda"`` in
 the optimizer, grad scaler, clip_grads and grad buffers; CUDA tensors asserted by text generation's
 pipeline-stage communication). :func:`enable` patches exactly those places so that the real MoELayer,
-GPTModel, DDP, the distributed optimizer and Megatron's static text generation run on CPU.
+GPTModel, DDP, the distributed optimizer, activation recompute and Megatron's static text generation
+run on CPU.
 
 The patches are process-wide and refuse to install when CUDA is available, so this module is inert
 on GPU machines. Never import it from library code paths that run in production.
@@ -183,6 +184,15 @@ def enable() -> bool:
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
+    # A backward pass runs outside the mode (Tensor.backward reaches autograd's engine from the mode's
+    # own handler), so activation recompute, which runs the forward again there, enters it again
+    recompute = mcore_random.CheckpointFunction.backward
+
+    def recompute_on_cpu(ctx, *args):
+        with _MODE:
+            return recompute(ctx, *args)
+
+    mcore_random.CheckpointFunction.backward = staticmethod(recompute_on_cpu)
     _ENABLED = True
     return True
 

@@ -248,6 +248,14 @@ def intercept_grad_ready(ddp_module: torch.nn.Module, params: Iterable[torch.nn.
     return {param for group in groups.values() for param in group.params}
 
 
+def in_checkpointed_forward() -> bool:
+    """Whether Megatron's activation checkpointing (``tensor_parallel.checkpoint``: full recompute
+    and the selective "moe" module) is running a forward now, whose recompute in backward follows."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    return is_checkpointing()
+
+
 def moe_layer_number(layer: torch.nn.Module) -> Optional[int]:
     """An MoE layer's number in the whole model, the same on every release: decoder layers
     ``1..num_layers``, then the multi-token-prediction layers ``num_layers + 1, ...``. 0.17+ number
