@@ -43,8 +43,10 @@ VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 8, 2, 8, 2
 # micro-batch; "reverse": every forward first, then the backwards in reverse order; "sum": every forward,
 # one backward of the summed losses; "accumulate": every micro-batch inside accumulating_gradients();
 # "accumulate-last-outside": all but the last inside (Megatron's no_sync pattern); "torch-ddp": torch's
-# DistributedDataParallel (one replica per EP rank) with no_sync for all but the last micro-batch.
-PLAIN_LOOPS = ("each", "reverse", "sum", "accumulate", "accumulate-last-outside", "torch-ddp")
+# DistributedDataParallel (one replica per EP rank) with no_sync for all but the last micro-batch;
+# "dropped-forward": the first micro-batch's forward output is dropped without a backward, the others
+# run forward and backward each.
+PLAIN_LOOPS = ("each", "reverse", "sum", "accumulate", "accumulate-last-outside", "torch-ddp", "dropped-forward")
 RECOMPUTE = {"": {}, "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
              "moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
              "moe_act": dict(recompute_granularity="selective", recompute_modules=["moe_act"])}  # see moe_act_recompute
@@ -59,6 +61,7 @@ class StepCase:
     microbatches: int = 4
     steps: int = 2
     loop: str = "megatron"  # or one of PLAIN_LOOPS
+    finish: bool = False  # call megatron_llep.finish_borrowed_gradients(model) after the step's backwards
     recompute: str = ""  # a key of RECOMPUTE
     overlap_grad_reduce: bool = True
     distributed_optimizer: bool = True
@@ -67,7 +70,9 @@ class StepCase:
     no_sync: bool = True  # config.no_sync_func set (Megatron-LM sets it only with --overlap-grad-reduce)
     max_kept_weight_bytes: int = -1  # -1: no bound
     balanced_replica: bool = False  # the second data-parallel replica routes evenly: it keeps and returns nothing
-    broken: str = ""  # negative control (_break): "stale", "lost-behind", "undeferred", "scaled-return", "replan"
+    # negative control (_break): "stale", "lost-behind", "undeferred", "scaled-return", "replan"; or
+    # "unfinished": nothing patched, the loop itself leaves gradients away (the optimizer step must refuse)
+    broken: str = ""
 
 
 def _config(case: StepCase) -> TransformerConfig:
@@ -225,9 +230,10 @@ def _gradients(chunks) -> dict:
     return grads
 
 
-def _train(case: StepCase, chunks, optimizer) -> tuple[list[float], list[dict]]:
-    """The case's steps: per step the loss and every gradient just before the optimizer step."""
-    losses, grads = [], []
+def _train(case: StepCase, chunks, optimizer) -> tuple[list[float], list[dict], list[str]]:
+    """The case's steps: per step the loss and every gradient just before the optimizer step; and
+    the errors the optimizer steps raised."""
+    losses, grads, errors = [], [], []
     for step in range(case.steps):
         if case.loop == "megatron":
             for chunk in chunks:
@@ -237,9 +243,14 @@ def _train(case: StepCase, chunks, optimizer) -> tuple[list[float], list[dict]]:
         else:
             optimizer.zero_grad(set_to_none=True)
             losses.append(_plain_step(case, chunks[0], step))
+            if case.finish:
+                megatron_llep.finish_borrowed_gradients(chunks[0])
         grads.append(_gradients(chunks))
-        optimizer.step()
-    return losses, grads
+        try:
+            optimizer.step()
+        except RuntimeError as err:
+            errors.append(str(err))
+    return losses, grads, errors
 
 
 def _megatron_step(case: StepCase, chunks, step: int) -> float:
@@ -271,6 +282,9 @@ def _plain_step(case: StepCase, model, step: int) -> float:
         return contextlib.nullcontext()
 
     mbs = range(case.microbatches)
+    if case.loop == "dropped-forward":
+        forward(0)  # its backward never runs
+        mbs = range(1, case.microbatches)
     if case.loop in ("reverse", "sum"):
         losses = [forward(mb) for mb in mbs]
         if case.loop == "sum":
@@ -366,7 +380,7 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         states = [getattr(chunk, "module", chunk).state_dict() for chunk in plain_model]
         restore = _break(case)
         llep_model, llep_opt = _build(case, llep=True, states=states)
-        plain_losses, plain_grads = _train(case, plain_model, plain_opt)
+        plain_losses, plain_grads, _ = _train(case, plain_model, plain_opt)
         counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0, "plans": 0}
         local = EXPERTS // case.ep
         start, plan = ExpertWeightExchange.start, llep_dispatcher.plan_llep
@@ -385,7 +399,7 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         ExpertWeightExchange.start, llep_dispatcher.plan_llep = counting_start, counting_plan
         try:
             with counting_gradient_returns(counts):
-                llep_losses, llep_grads = _train(case, llep_model, llep_opt)
+                llep_losses, llep_grads, errors = _train(case, llep_model, llep_opt)
         finally:
             restore()
             ExpertWeightExchange.start, llep_dispatcher.plan_llep = start, plan
@@ -402,7 +416,8 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         totals = torch.tensor(list(counts.values()))
         dist.all_reduce(totals)
         results.append({"case": dataclasses.asdict(case), "plain_losses": plain_losses, "llep_losses": llep_losses,
-                        "grad_rel_diff": grad_diff, "param_rel_diff": worst, **dict(zip(counts, totals.tolist()))})
+                        "grad_rel_diff": grad_diff, "param_rel_diff": worst, "errors": errors,
+                        **dict(zip(counts, totals.tolist()))})
         for ledger in kept_weights._LEDGERS.values():  # the next case builds new layers
             ledger.held.clear(), ledger.pending.clear(), ledger.returning.clear()
             ledger.used[:] = 0

@@ -11,6 +11,7 @@ backward, buckets reduced before the helpers' gradients arrived."""
 
 import pytest
 
+import megatron_llep
 from megatron_llep.config import LLEPConfig, LLEPConfigError
 from megatron_llep.testing.distributed import run_distributed
 from step_worker import StepCase, evaluation_keeps_copies, mixed_expert_buckets, train_both
@@ -33,6 +34,9 @@ TWO_RANKS = [
     StepCase("accumulate-moe-recompute", ep=2, loop="accumulate", recompute="moe", **PLAIN),
     StepCase("accumulate-last-outside-full-recompute", ep=2, loop="accumulate-last-outside", recompute="full", **PLAIN),
     StepCase("torch-ddp-full-recompute", ep=2, loop="torch-ddp", recompute="full", **PLAIN),
+    StepCase("dropped-forward-finished", ep=2, loop="dropped-forward", finish=True, steps=1, **PLAIN),
+    # a forward whose backward never runs: the optimizer step refuses, before any weight changes
+    StepCase("dropped-forward", ep=2, loop="dropped-forward", steps=1, broken="unfinished", **PLAIN),
     # negative controls
     StepCase("stale-copies", ep=2, broken="stale"),
     StepCase("lost-behind-backward", ep=2, overlap_grad_reduce=False, broken="lost-behind"),
@@ -72,6 +76,7 @@ def _check(result: dict, world: int) -> None:
     if case["loop"] == "megatron":
         assert result["param_rel_diff"] < 1e-5, f"{name}: parameters differ by {result['param_rel_diff']:.3g}"
     assert result["extra_plans"] == 0, f"{name}: {result['extra_plans']} plans beyond one per forward"
+    assert not result["errors"], (name, result["errors"])
     if case["max_kept_weight_bytes"] != 0 and case["loop"] == "megatron":
         # each MoE layer of each rank returns its kept gradients once per step (2 per model chunk and stage),
         # except on the replica that routes evenly (half the ranks), which keeps nothing
@@ -117,6 +122,13 @@ def test_kept_copies_train_like_plain_ep_on_two_ranks():
         assert _worst(per_rank, name, "grad_rel_diff") > 2e-5, f"{name} went unnoticed"
     for name in ("full-recompute-replans", "reverse-moe-recompute-replans"):
         assert results[name]["extra_plans"] > 0, f"{name} went unnoticed"
+    # gradients left incomplete by a forward that never ran its backward are refused in one line that
+    # names what to call (a function megatron_llep exports), and finish_borrowed_gradients completes them
+    dropped = results["dropped-forward"]
+    assert _worst(per_rank, "dropped-forward", "grad_rel_diff") > 1e-3
+    assert len(dropped["errors"]) == 1 and "\n" not in dropped["errors"][0], dropped["errors"]
+    assert "call megatron_llep.finish_borrowed_gradients(model) on every rank" in dropped["errors"][0]
+    assert callable(megatron_llep.finish_borrowed_gradients)
 
 
 def test_kept_copies_relayed_bounded_and_pipelined_on_four_ranks():
