@@ -81,7 +81,7 @@ def sample_counts(
 ) -> np.ndarray:
     """``[P, N]`` routed-token counts of the scenario, drawn per rank by multinomials.
 
-    Same expectation as :func:`megatron_llep.scenarios.imbalanced_topk` (a hot token puts
+    Same expectation as :func:`megatron_llep.planning.scenarios.imbalanced_topk` (a hot token puts
     ``min(h, K)`` assignments uniformly on the hot experts and the rest uniformly on the others; a
     cold token spreads ``K`` over the non-hot experts) without materialising ``tokens x K`` ids,
     so full-size shapes at P = 64 take milliseconds. Distinctness within a token is not modelled.

@@ -25,7 +25,7 @@ CUDA and process-group start, ~20 s):
    communication for forward+backward. Peak memory per rank is ``max_memory_allocated`` over
    its tokens, activations and gradients, plus its borrowed weights.
 2. ``correctness``, bf16 (~15 s): a borrowed slot against the same expert run natively, through
-   the library's own ExpertAdapter substitution (megatron_llep/experts.py): outputs, input
+   the library's own ExpertAdapter substitution (megatron_llep/runtime/experts.py): outputs, input
    gradients and weight gradients, for Megatron's SequentialMLP and TEGroupedMLP, gpt-oss-120b and
    DeepSeek-V3 expert math at full width; bit for bit, or within the stated tolerance.
 3. ``pipeline`` (~40 s): one rank of a real LLEP layer at full shape (``--pipeline-scenario``,
@@ -75,8 +75,8 @@ for _path in (ROOT, HERE):
         sys.path.insert(0, _path)
 
 from megatron_llep.config import LLEPConfig  # noqa: E402  (pure: numpy only)
-from megatron_llep.cost_model import CostModel  # noqa: E402
-from megatron_llep.planner import LLEPPlan, plan_llep  # noqa: E402
+from megatron_llep.planning.cost_model import CostModel  # noqa: E402
+from megatron_llep.planning import LLEPPlan, plan_llep  # noqa: E402
 
 SECTIONS = ("grid", "correctness", "pipeline")
 GRID_SCENARIOS = ((0.0, 0), (0.95, 1), (0.95, 4), (0.95, 16))
@@ -136,7 +136,7 @@ def probe_environment(device: torch.device) -> tuple[dict, dict]:
     except Exception as exc:  # noqa: BLE001  (any import failure means: not usable here)
         env["megatron_core"] = None
         reasons["megatron"] = f"megatron-core not importable ({_reason(exc)})"
-    reasons["dispatcher"] = reasons["megatron"] and f"megatron_llep.dispatcher imports megatron-core: {reasons['megatron']}"
+    reasons["dispatcher"] = reasons["megatron"] and f"megatron_llep.runtime.dispatcher imports megatron-core: {reasons['megatron']}"
     if device.type != "cuda":
         reasons["te"] = "CPU run: Transformer Engine needs a CUDA GPU"
         env["transformer_engine"] = None
@@ -357,7 +357,7 @@ class Context:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         if self.device.type == "cpu":
-            from megatron_llep.compat import cpu_gloo
+            from megatron_llep.testing import cpu_gloo
 
             cpu_gloo.enable()
         if not dist.is_initialized():  # one process; nothing is communicated, the groups only exist
@@ -392,7 +392,7 @@ class Context:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from megatron_llep.compat import mcore
-        from megatron_llep.experts import make_expert_adapter
+        from megatron_llep.runtime.experts import make_expert_adapter
 
         grouped = backend == "TEGroupedMLP"
         if shape.bias:  # gpt-oss: biases, quick-GELU GLU with linear offset 1 and clamp 7
@@ -718,7 +718,7 @@ def fp8_checks(ctx: Context, shape, rec: Recorder) -> None:
     """Expert 2 natively and borrowed (ExpertAdapter substitution into slot 0) under fp8, in the
     layer's order (native experts, then borrowed ones) for two micro-batches, and the same with TE's
     per-micro-batch weight cache switched off. Status: what was observed, never a pass."""
-    note = ("LLEP rejects fp8 (megatron_llep.dispatcher.check_megatron_config): Transformer Engine caches each "
+    note = ("LLEP rejects fp8 (megatron_llep.runtime.megatron_checks.check_megatron_config): Transformer Engine caches each "
             "slot's fp8 weight from the first micro-batch and keeps per-slot scaling state, so a borrowed expert "
             "in that slot would compute with the native expert's weight; this entry documents the hazard")
     state: dict = {}
@@ -882,27 +882,27 @@ class Pipeline:
             self.st["recv_perm"] = _HostIndexPermutation(view.recv_order(), ctx.device)
             self.st["perm_source"] = "planner host index (dispatcher unavailable)"
             raise Skip(ctx.reasons["dispatcher"])
-        from megatron_llep.dispatcher import _RowPermutation
+        from megatron_llep.runtime.permutation import RowPermutation
 
         built = {}
 
         def step(mark):
-            built["recv"] = _RowPermutation.recv_order(view, ctx.device)
+            built["recv"] = RowPermutation.recv_order(view, ctx.device)
 
         timing = ctx.timer.run(step, ctx.args.repeats)
-        self.st.update(recv_perm=built["recv"], perm_source="megatron_llep.dispatcher._RowPermutation")
+        self.st.update(recv_perm=built["recv"], perm_source="megatron_llep.runtime.dispatcher.RowPermutation")
         return {"ms": _ms(timing["phases_s"][-1]), "host_ms": _ms(timing["host_s"]), "device_ms": _ms(timing["phases_s"][-1]),
                 "recv_rows": int(view.recv_counts.sum()),
                 "summary": f"host {timing['host_s'] * 1e3:.3f} ms, until done {timing['phases_s'][-1] * 1e3:.3f} ms"}
 
     def send_columns(self) -> dict:
-        """The plan folded into the routing map (the dispatcher's _SendColumns): Megatron's own permute
+        """The plan folded into the routing map (the dispatcher's SendColumns): Megatron's own permute
         then emits the send order, so LLEP gathers no token row beyond stock EP's permute."""
         self._need("view")
         view, ctx = self.st["view"], self.ctx
         if ctx.reasons["dispatcher"]:
             raise Skip(ctx.reasons["dispatcher"])
-        from megatron_llep.dispatcher import _SendColumns
+        from megatron_llep.runtime.permutation import SendColumns
 
         per_expert = view.send_counts.sum(axis=1)
         tokens = self.shape.tokens_per_gpu
@@ -914,7 +914,7 @@ class Pipeline:
         probs = torch.rand(routing.shape, device=ctx.device) * routing
 
         def step(mark):
-            _SendColumns(view, ctx.device).apply(routing, probs)
+            SendColumns(view, ctx.device).apply(routing, probs)
 
         timing = ctx.timer.run(step, ctx.args.repeats)
         return {"ms": _ms(timing["phases_s"][-1]), "host_ms": _ms(timing["host_s"]),

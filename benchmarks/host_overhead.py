@@ -5,10 +5,10 @@ scenario and every rank, the work the dispatcher does beyond stock Megatron:
 
 * the planner (host numpy, the same on every rank) and the rank's view of the plan
   (:meth:`LLEPPlan.rank_view`: its send/receive counts, slots and weight transfers);
-* the send columns (:class:`_SendColumns`): the plan folded into the routing map, so that
+* the send columns (:class:`SendColumns`): the plan folded into the routing map, so that
   Megatron's own permute emits the destination-major all-to-all order — ``[columns]`` vectors
   copied over and a few ``[tokens, columns]`` mask ops, no row gather;
-* the receive order (:class:`_RowPermutation`): per-chunk shifts from the host, the row indices
+* the receive order (:class:`RowPermutation`): per-chunk shifts from the host, the row indices
   built on the device; its gathers of the received tokens and probabilities and of the expert
   output replace stock's chunk sorts (``sort_chunks_by_idxs``).
 
@@ -40,9 +40,9 @@ from common import GPT_OSS_120B, SCENARIOS, print_table, sample_counts, write_re
 from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import ExpertShape
-from megatron_llep.dispatcher import _RowPermutation, _SendColumns
-from megatron_llep.planner import plan_llep
+from megatron_llep.planning.cost_model import ExpertShape
+from megatron_llep.runtime.permutation import RowPermutation, SendColumns
+from megatron_llep.planning import plan_llep
 
 
 def _best_ms(fn, repeats: int) -> float:
@@ -67,11 +67,11 @@ def _routing_map(send_counts: np.ndarray, tokens: int) -> torch.Tensor:
 
 
 def _send_columns(view, routing: torch.Tensor, probs: torch.Tensor) -> None:
-    _SendColumns(view, torch.device("cpu")).apply(routing, probs)
+    SendColumns(view, torch.device("cpu")).apply(routing, probs)
 
 
 def _recv_order(view) -> None:
-    _RowPermutation.recv_order(view, torch.device("cpu"))
+    RowPermutation.recv_order(view, torch.device("cpu"))
 
 
 def _dispatch_only(view, routing: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor) -> None:
@@ -80,10 +80,10 @@ def _dispatch_only(view, routing: torch.Tensor, probs: torch.Tensor, rows: torch
     host time of the device work on a GPU. The inputs are built once, outside the timing, as the
     layer's own inputs are."""
     device = torch.device("cpu")
-    _SendColumns(view, device).apply(routing, probs)
+    SendColumns(view, device).apply(routing, probs)
     ep, num_experts = view.recv_counts.shape
     chunk_order = (np.arange(ep)[None, :] * num_experts + view.slot_experts[:, None]).ravel()
-    receive = _RowPermutation(np.minimum(view.recv_counts.ravel(), 1), chunk_order, device)
+    receive = RowPermutation(np.minimum(view.recv_counts.ravel(), 1), chunk_order, device)
     receive.apply(rows), receive.apply(rows[:, 0]), receive.undo(rows)  # tokens, probs; expert output
 
 

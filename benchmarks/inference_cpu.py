@@ -179,7 +179,7 @@ def _matched(rows: list[dict], key: str) -> list[dict]:
 
 def accuracy(bench: argparse.Namespace) -> None:
     from megatron_llep import RoutingPruning
-    from megatron_llep.placement import apply_placement, restore_original_order
+    from megatron_llep.integrations.placement import apply_placement, restore_original_order
 
     harness = Harness(bench)
     rows = []
@@ -242,7 +242,7 @@ def speed(bench: argparse.Namespace) -> None:
 
     from megatron_llep import RoutingPruning
     from megatron_llep.compat import inference as mcore_inference
-    from megatron_llep.placement import apply_placement, restore_original_order
+    from megatron_llep.integrations.placement import apply_placement, restore_original_order
     from recipes import generate
 
     harness = Harness(bench)

@@ -79,7 +79,7 @@ def _calibrate(shape: LayerShape, rank: int):
     import torch
     import torch.distributed as dist
 
-    from megatron_llep.cost_model import CostModel, ExpertShape
+    from megatron_llep.planning.cost_model import CostModel, ExpertShape
 
     es = ExpertShape(shape.hidden, shape.ffn, gated=True, bias=shape.bias, dtype_bytes=4)
     w1 = torch.randn(2 * shape.ffn, shape.hidden)
@@ -128,7 +128,8 @@ def _layers(shape: LayerShape, point: Point, cost_model, rank: int):
     import torch
 
     from megatron_llep.config import LLEPConfig
-    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.runtime.forced_routing import force_routing
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from megatron_llep.testing.moe import build_moe_layer, moe_config
 
     cfg = moe_config(shape.num_experts, shape.hidden, shape.ffn, shape.topk, EP_SIZE, gpt_oss_experts=shape.bias)
@@ -155,8 +156,9 @@ def run_points(rank: int, world: int, points: list, repeats: int, partial_path: 
     import torch
     import torch.distributed as dist
 
-    from megatron_llep.kept_weights import drop_kept_experts
-    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.runtime.state import drop_kept_experts
+    from megatron_llep.runtime.forced_routing import force_routing
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from megatron_llep.testing.memory import step_live_bytes
     from megatron_llep.testing.moe import init_expert_parallel
 
@@ -257,8 +259,8 @@ def _weight_bytes_per_step(llep, step, microbatches: int) -> dict:
     see plan_model.py --steps), with the copies kept for the step (the default) and without."""
     from dataclasses import replace as with_fields
 
-    from megatron_llep.kept_weights import accumulating_gradients, drop_kept_experts, finish_borrowed_gradients
-    from megatron_llep.metrics import STATS
+    from megatron_llep.runtime.state import accumulating_gradients, drop_kept_experts, finish_borrowed_gradients
+    from megatron_llep.runtime.state import STATS
 
     result = {}
     config = llep.llep_config

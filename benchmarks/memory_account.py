@@ -59,8 +59,9 @@ def _layers(shape: LayerShape, ep: int, budget: Optional[int], rank: int, max_ke
     import torch
 
     from megatron_llep.config import LLEPConfig
-    from megatron_llep.cost_model import CostModel
-    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.planning.cost_model import CostModel
+    from megatron_llep.runtime.forced_routing import force_routing
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from megatron_llep.testing.moe import build_moe_layer, moe_config
 
     cfg = moe_config(shape.num_experts, shape.hidden, shape.ffn, shape.topk, ep, gpt_oss_experts=shape.bias)
@@ -77,7 +78,8 @@ def _account(rank: int, world: int, shape_names: list, hot: list, tokens: int, h
              budget_margin: Optional[float], max_kept: Optional[int], stacks: bool, rss: int, top: int) -> list[dict]:
     import torch
 
-    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.runtime.forced_routing import force_routing
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from megatron_llep.testing.memory import by_site, step_live_bytes
     from megatron_llep.testing.moe import init_expert_parallel
 

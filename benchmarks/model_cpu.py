@@ -68,7 +68,7 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def _set_mode(layers: list, mode: str, balanced_ids: Callable[[], np.ndarray]) -> None:
     """LLEP on or off in every MoE layer, and the routers forced to balanced top-K for the ideal."""
-    from megatron_llep.scenarios import force_routing
+    from megatron_llep.runtime.forced_routing import force_routing
 
     for layer in layers:
         config = dataclasses.replace(layer.llep_config, enabled=mode == "LLEP")
@@ -100,10 +100,10 @@ def main() -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_llep.placement import RoutingTraceRecorder
-    from megatron_llep.metrics import STATS
+    from megatron_llep.integrations.routing_traces import RoutingTraceRecorder
+    from megatron_llep.runtime.state import STATS
     from megatron_llep.placement.trace import merge_traces
-    from megatron_llep.scenarios import imbalanced_topk
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from recipes import checkpointing, finetune
     from recipes import data as sft_data
 

@@ -9,7 +9,7 @@ co-activation clusters (a pick lies in the token's cluster with probability q) w
 SPEC layer shapes. Every method is fit on the first half of the tokens and evaluated on the other
 half: average distinct devices per token, C(pi) (on the held-out co-activation), max/mean GPU load.
 EPLB gets one extra expert slot per GPU (``--redundant``); a token uses a replica on a device it
-already visits, else the least-loaded one. "+LLEP" runs :func:`megatron_llep.planner.plan_llep` on
+already visits, else the least-loaded one. "+LLEP" runs :func:`megatron_llep.planning.planner.plan_llep` on
 the held-out per-rank loads of that placement (tokens split evenly over the EP ranks as sources).
 A second table shows how the statistics settle with the number of trace tokens.
 """
@@ -32,7 +32,7 @@ from megatron_llep.placement.metrics import (
 )
 from megatron_llep.placement.replication import eplb_placement, route_with_replicas
 from megatron_llep.placement.trace import expert_counts, synthetic_trace
-from megatron_llep.planner import plan_llep
+from megatron_llep.planning import plan_llep
 
 
 @dataclass(frozen=True)

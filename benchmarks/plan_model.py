@@ -30,8 +30,8 @@ import numpy as np
 from common import FULL_SHAPES, PAPER_SPEEDUP, SCENARIOS, LayerShape, print_table, sample_counts, write_results
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import CostModel, ExpertShape
-from megatron_llep.planner import LLEPPlan, gradient_return_phases, plan_llep
+from megatron_llep.planning.cost_model import CostModel, ExpertShape
+from megatron_llep.planning import LLEPPlan, gradient_return_phases, plan_llep
 
 RANKS_PER_NODE = 8
 

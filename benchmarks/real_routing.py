@@ -11,7 +11,7 @@ sequences of 256 tokens back to back) and computes, without a GPU or a process g
 a. imbalance: per (model, domain, layer) the max/mean rank load under sequential placement
    (expert e on rank e // (N/P)) for P = 2, 8, 64, per micro-batch of B consecutive tokens (mean
    and max over the batches) and over the whole trace; beside them the forced scenarios
-   (``common.SCENARIOS`` drawn by ``megatron_llep.scenarios.imbalanced_topk`` at the traces' N, K
+   (``common.SCENARIOS`` drawn by ``megatron_llep.planning.scenarios.imbalanced_topk`` at the traces' N, K
    and token count), and the share of assignments taken by the top-1/4/16 experts;
 b. plan-model replay at H200 scale: each of P = 8, 16, 64 source ranks holds ``--tokens-per-gpu``
    tokens of whole 256-token sequences drawn from the trace (seeded, with replacement), in a layer
@@ -45,10 +45,10 @@ from placement_report import add_placement_arguments, compare_placements, stabil
 from plan_model import RANKS_PER_NODE, compare_plans, ep_config, ideal_prediction
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import CostModel
+from megatron_llep.planning.cost_model import CostModel
 from megatron_llep.placement.metrics import Topology, load_imbalance
 from megatron_llep.placement.trace import RoutingTrace, clustered_topk, expert_counts, planted_clusters
-from megatron_llep.scenarios import imbalanced_topk
+from megatron_llep.planning.scenarios import imbalanced_topk
 from recipes import routing_traces
 
 SEQUENCE_TOKENS = 256  # the traced model's sequence length: replay draws whole sequences

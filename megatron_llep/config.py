@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_llep.cost_model import CostModel
+from megatron_llep.planning.cost_model import CostModel
 
 
 class LLEPConfigError(ValueError):
@@ -81,7 +81,7 @@ class LLEPConfig:
             in one step of one MoE layer, whatever the routing: the plan spills even below
             ``lambda`` and in chunks smaller than ``m`` when that is what keeps every rank within
             it, and a step whose rows cannot fit (more than ``P x budget``) raises
-            :class:`~megatron_llep.planner.InfeasibleBudgetError` on every EP rank before the
+            :class:`~megatron_llep.planning.plan.InfeasibleBudgetError` on every EP rank before the
             dispatch. ``None`` (default): no budget. Not applied where no plan is made (EP = 1,
             ``enabled=False``).
         max_kept_weight_bytes: bytes a rank may spend on borrowed experts it keeps for the rest of
@@ -96,7 +96,7 @@ class LLEPConfig:
             boundary once: other helpers in that node get it from the rank there that keeps it,
             and kept gradients return as a hierarchical sum in stripes, inside nodes and across
             the helper nodes, before one sum per node enters the native rank's node
-            (:func:`megatron_llep.planner.gradient_return_phases`).
+            (:func:`megatron_llep.planning.gradient_return.gradient_return_phases`).
     """
 
     alpha: float = 1.0

@@ -83,10 +83,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_llep import RoutingPruning
-    from megatron_llep.metrics import STATS
-    from megatron_llep.placement import (RoutingTraceRecorder, Topology, merge_traces, plan_trace,
-                                         read_checkpoint_placement, restore_original_order)
-    from megatron_llep.placement.profile import profile_spectrum
+    from megatron_llep.runtime.state import STATS
+    from megatron_llep.integrations.routing_traces import RoutingTraceRecorder
+    from megatron_llep.placement import Topology, merge_traces, plan_trace, read_checkpoint_placement
+    from megatron_llep.integrations.placement import restore_original_order
+    from megatron_llep.integrations.placement import profile_spectrum
     from recipes import dashboard, finetune, watchdog
     from recipes import data as sft_data
 

@@ -39,12 +39,8 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_llep.compat import mcore
-from megatron_llep.placement import (
-    ExpertPlacement,
-    read_checkpoint_placement,
-    same_expert_order,
-    write_checkpoint_placement,
-)
+from megatron_llep.placement import (ExpertPlacement, read_checkpoint_placement, same_expert_order,
+                                     write_checkpoint_placement)
 from recipes import parent_death, watchdog
 from recipes.dashboard import readable_bytes
 
@@ -407,7 +403,7 @@ def save_checkpoint(
     """Save everything under ``root``; returns the checkpoint directory. Collective.
 
     A model placed with a CAP placement is saved in its physical expert order, with the placement
-    recorded next to it (``expert_placement.json``; see :mod:`megatron_llep.placement.apply` for
+    recorded next to it (``expert_placement.json``; see :mod:`megatron_llep.integrations.placement` for
     restoring the original order). ``verify``: what the manifest records, ``"sha256"`` (sizes and
     checksums) or ``"size"``.
 

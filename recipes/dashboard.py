@@ -23,7 +23,7 @@ Metric names (wandb keys):
   ``prune/dropped_pairs``, ``prune/dropped_pair_fraction``, ``prune/alltoall_bytes`` and
   ``prune/alltoall_bytes_unpruned``, ``prune/tokens``:
   only with ``LLEPConfig.pruning`` (inference); counts summed over layers, micro-batches and ranks, per-token
-  figures per token and MoE layer (:func:`megatron_llep.metrics.pruning_metrics`; one phrase of them:
+  figures per token and MoE layer (:func:`megatron_llep.runtime.statistics.pruning_metrics`; one phrase of them:
   :func:`pruning_summary`).
 """
 
@@ -42,7 +42,8 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_llep.compat import mcore
-from megatron_llep.metrics import STATS, budget_phrase, merge_layer_statistic, pruning_metrics
+from megatron_llep.runtime.state import STATS
+from megatron_llep.runtime.statistics import budget_phrase, merge_layer_statistic, pruning_metrics
 
 
 def peak_memory_bytes() -> int:

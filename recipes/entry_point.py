@@ -141,7 +141,7 @@ class EntryPoint:
             torch.cuda.set_device(local_rank)
             dist.init_process_group("nccl", timeout=timeout)
             return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
-        from megatron_llep.compat import cpu_gloo
+        from megatron_llep.testing import cpu_gloo
 
         cpu_gloo.enable()
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -179,7 +179,7 @@ class EntryPoint:
         (:func:`recipes.watchdog.end_after_lost_peer`); an LLEP row budget
         no plan can meet (``--llep-max-tokens-per-rank``) is a usage error (one line, exit 2); this
         rank's other errors pass through."""
-        from megatron_llep.planner import InfeasibleBudgetError
+        from megatron_llep.planning import InfeasibleBudgetError
         from recipes import watchdog
 
         try:

@@ -12,7 +12,7 @@ GPU, e.g. gpt-oss-20b on 8 GPUs with a local tokenizer and data::
 
 Megatron's own machinery does the work: GPTModel, DDP, the distributed optimizer, the
 forward-backward schedules (gradient accumulation, pipeline parallelism), the LR scheduler and
-dist_checkpointing. On CPU the gloo backend and megatron_llep.compat.cpu_gloo are used.
+dist_checkpointing. On CPU the gloo backend and megatron_llep.testing.cpu_gloo are used.
 SIGTERM/SIGINT (e.g. slurm preemption) finish the current step, save (with --save) and exit with
 128 + the signal (143, 130) and one line saying how to resume.
 """
@@ -280,7 +280,8 @@ def forward_step(device: torch.device, layers: list, args: argparse.Namespace, c
                  data_iterator, model):
     """Megatron's forward-step function: the next micro-batch through ``model`` with its per-token loss;
     with ``--force-routing``, every MoE layer's routing first forced (seeded by micro-batch, rank, layer)."""
-    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.runtime.forced_routing import force_routing
+    from megatron_llep.planning.scenarios import imbalanced_topk
 
     batch = next(data_iterator)
     tokens = torch.from_numpy(batch["tokens"]).to(device)

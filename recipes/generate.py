@@ -128,7 +128,7 @@ class PositionalRouting:
         self._drawn: dict[int, list[np.ndarray]] = {}  # prompt -> per layer [max_length, K]
 
     def _choices(self, prompt: int) -> list[np.ndarray]:
-        from megatron_llep.scenarios import imbalanced_topk
+        from megatron_llep.planning.scenarios import imbalanced_topk
 
         if prompt not in self._drawn:
             config = self.layers[0].config
@@ -139,7 +139,7 @@ class PositionalRouting:
 
     def force(self, prompts: Sequence[int], position_ids: torch.Tensor) -> None:
         """Route the next forward, whose batch row ``b`` is prompt ``prompts[b]`` at ``position_ids[b]``."""
-        from megatron_llep.scenarios import force_routing
+        from megatron_llep.runtime.forced_routing import force_routing
 
         for prompt in set(self._drawn) - set(prompts):  # a finished batch's
             del self._drawn[prompt]

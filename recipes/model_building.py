@@ -20,8 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_llep.config import PRUNING_METHODS, LLEPConfig, LLEPConfigError, RoutingPruning
-from megatron_llep.cost_model import CostModel
+from megatron_llep.config import LLEPConfig, LLEPConfigError, PRUNING_METHODS, RoutingPruning
+from megatron_llep.planning.cost_model import CostModel
 from recipes import watchdog
 from recipes.entry_point import check_existing_files, check_writable_directories
 from recipes.models import RECIPES
@@ -400,7 +400,7 @@ def build_model(args: argparse.Namespace, layout: dict[str, int], device: torch.
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_llep.layer import with_llep
+    from megatron_llep.runtime.layer import with_llep
 
     on_gpu = device.type == "cuda"
     recipe = make_recipe(args, hf_config, ep_size=layout["ep"], tp_size=layout["tp"], pp_size=layout["pp"],
@@ -448,8 +448,8 @@ def apply_placement(model: torch.nn.Module, placement, source: str, say: Callabl
     """Put the model's experts in ``placement``'s order (read from ``source``, named in errors)."""
     import torch.distributed as dist
 
-    from megatron_llep.placement import apply_placement as permute
-    from megatron_llep.placement.apply import moe_layers as moe_layers_by_number
+    from megatron_llep.integrations.placement import apply_placement as permute
+    from megatron_llep.integrations.placement import moe_layers as moe_layers_by_number
 
     stages: list = [None] * dist.get_world_size()  # every pipeline stage's MoE layers (collective)
     dist.all_gather_object(stages, sorted(moe_layers_by_number(model)))
@@ -536,7 +536,7 @@ def start_routing_trace(model: torch.nn.Module, args: argparse.Namespace, rank: 
     """A started recorder of every MoE router's choices with ``--record-routing-trace`` (else None)."""
     if not args.record_routing_trace:
         return None
-    from megatron_llep.placement import RoutingTraceRecorder
+    from megatron_llep.integrations.routing_traces import RoutingTraceRecorder
 
     return RoutingTraceRecorder(model, max_tokens_per_layer=args.trace_tokens_per_layer, seed=args.seed + rank).start()
 

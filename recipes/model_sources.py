@@ -163,7 +163,8 @@ def build(args: argparse.Namespace, source: ModelSource, entry: EntryPoint, rank
           device: torch.device, vocab_needed: int):
     """The recipe, the model in eval mode with its weights, and the parallel layout. ``args.seq_length``
     is the longest sequence the run feeds the model; ``vocab_needed`` the ids it feeds. Collective."""
-    from megatron_llep.placement import read_checkpoint_placement, restore_original_order, same_expert_order
+    from megatron_llep.placement import read_checkpoint_placement, same_expert_order
+    from megatron_llep.integrations.placement import restore_original_order
     from recipes import checkpointing
 
     try:

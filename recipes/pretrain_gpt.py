@@ -3,7 +3,7 @@
 This is Megatron-LM's ``pretrain_gpt.py`` (``megatron.training.pretrain``: its flags, data loaders,
 schedules, checkpoints, TensorBoard/wandb logging) on Megatron's indexed datasets
 (``GPTDataset`` built by ``BlendedMegatronDatasetBuilder`` from ``.bin``/``.idx`` prefixes, blended,
-with train/valid/test splits), plus the plugin :mod:`megatron_llep.megatron_lm`: ``--llep`` and the
+with train/valid/test splits), plus the plugin :mod:`megatron_llep.integrations.megatron_lm`: ``--llep`` and the
 ``--llep-*`` flags, ``--llep-placement``, and per-layer LLEP statistics at ``--log-interval``.
 Needs megatron-core >= 0.17 (``megatron.training``). See docs/pretrain.md.
 
@@ -75,7 +75,7 @@ def _say(message: str) -> None:
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's flags plus LLEP's and this script's own."""
-    from megatron_llep.megatron_lm import add_llep_args
+    from megatron_llep.integrations.megatron_lm import add_llep_args
 
     add_llep_args(parser)
     watchdog.add_argument(parser.add_argument_group("watchdog"))
@@ -220,7 +220,8 @@ class _ForcedRouting:
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
         from megatron_llep.placement import ExpertPlacement
-        from megatron_llep.scenarios import force_routing, imbalanced_topk
+        from megatron_llep.runtime.forced_routing import force_routing
+        from megatron_llep.planning.scenarios import imbalanced_topk
 
         if args.curr_iteration != self.iteration:
             self.iteration, self.microbatch = args.curr_iteration, 0
@@ -260,7 +261,7 @@ def forward_step(data_iterator, model: torch.nn.Module):
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Check the installation and the flags, then run ``megatron.training.pretrain``."""
-    from megatron_llep import megatron_lm
+    from megatron_llep.integrations import megatron_lm
     from megatron_llep.compat import megatron_training
     from recipes.launch_env import rendezvous_env_from_slurm
 
@@ -275,7 +276,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _fail(f"{reason}; Megatron-LM's loop needs megatron-core >= 0.17, which pip installs on Python 3.12 only: "
               "on Python 3.11 run bash .ci/install_megatron_core.sh 0.19.2 in the environment (docs/compat.md)")
     if not torch.cuda.is_available():
-        from megatron_llep.compat import megatron_training_cpu
+        from megatron_llep.testing import megatron_training_cpu
 
         megatron_training_cpu.enable()
         try:
@@ -384,7 +385,7 @@ def _report_signal_stop() -> None:
 def _check_parsed_args(args: argparse.Namespace) -> None:
     """This script's and LLEP's checks on Megatron-LM's validated arguments (a usage error ends the
     run), and the note when ``--llep`` has nothing to do."""
-    from megatron_llep import megatron_lm
+    from megatron_llep.integrations import megatron_lm
 
     try:
         check_args(args)  # first: a --load of another entry point's checkpoint is named before its expert order

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.scenarios import force_routing, imbalanced_topk
+from megatron_llep.runtime.forced_routing import force_routing
+from megatron_llep.planning.scenarios import imbalanced_topk
 from megatron_llep.testing import grouped_gemm_cpu
 from megatron_llep.testing.moe import (build_moe_layer, expert_weights, gathered_expert_weights, init_expert_parallel,
                                        moe_config, send_a_neighbouring_expert)
 from megatron_llep.testing.reference import dense_moe_reference, expert_forward_reference
-from megatron_llep.kept_weights import KeptLedger
-from megatron_llep.weight_exchange import ExpertWeightExchange
+from megatron_llep.runtime.kept_weights import KeptLedger
+from megatron_llep.runtime.weight_exchange import ExpertWeightExchange
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def infeasible_budget(rank: int, world: int) -> dict:
     """An LLEP layer whose step routes more rows than EP x max_tokens_per_rank: what each rank
     raises, then one all-reduce of all ranks (it completes only if no rank was left inside a
     collective of the layer)."""
-    from megatron_llep.planner import InfeasibleBudgetError
+    from megatron_llep.planning import InfeasibleBudgetError
 
     init_expert_parallel(world)
     case = Case("infeasible_budget", "hot")

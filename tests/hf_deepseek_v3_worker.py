@@ -239,7 +239,7 @@ def _build(directory: str, ep: int, **options):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_llep.config import LLEPConfig
-    from megatron_llep.layer import with_llep
+    from megatron_llep.runtime.layer import with_llep
     from recipes.hf.checkpoint import HFCheckpoint
     from recipes.hf.deepseek_v3 import recipe_from_hf_config
 

@@ -169,7 +169,7 @@ def _build(job: Job, layout: Layout):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_llep.config import LLEPConfig
-    from megatron_llep.layer import with_llep
+    from megatron_llep.runtime.layer import with_llep
     from recipes.hf.checkpoint import HFCheckpoint
     from recipes.hf.gpt_oss import recipe_from_hf_config
 
@@ -293,8 +293,9 @@ def run(rank: int, world: int, job: Job) -> dict:
 
     placement = None
     if job.placement:
-        from megatron_llep.placement import ExpertPlacement, apply_placement
-        from megatron_llep.placement.apply import moe_layers
+        from megatron_llep.placement import ExpertPlacement
+        from megatron_llep.integrations.placement import apply_placement
+        from megatron_llep.integrations.placement import moe_layers
 
         numbers = sorted(moe_layers(model))
         all_layers = range(1, recipe.config.num_layers + 1)

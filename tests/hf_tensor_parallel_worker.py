@@ -36,7 +36,7 @@ def _build(job: Job):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_llep.config import LLEPConfig
-    from megatron_llep.layer import with_llep
+    from megatron_llep.runtime.layer import with_llep
     from recipes.hf.checkpoint import HFCheckpoint
     from recipes.hf.convert import family_module
 

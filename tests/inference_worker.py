@@ -122,7 +122,7 @@ def main() -> None:
     report["indexed_loss"] = evaluation_loss(model, indexed_args, world, recipe)
 
     # the fine-tuning run's validation windows, natural routing, experts in the checkpoint's placement
-    from megatron_llep.scenarios import force_routing
+    from megatron_llep.runtime.forced_routing import force_routing
 
     for layer in model_building.moe_layers(model):
         force_routing(layer.router, None)  # Megatron's router replay stays on until cleared

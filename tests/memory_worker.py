@@ -11,8 +11,9 @@ from dataclasses import replace
 import torch
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import CostModel
-from megatron_llep.scenarios import force_routing, imbalanced_topk
+from megatron_llep.planning.cost_model import CostModel
+from megatron_llep.runtime.forced_routing import force_routing
+from megatron_llep.planning.scenarios import imbalanced_topk
 from megatron_llep.testing.memory import by_site, step_live_bytes
 from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
 

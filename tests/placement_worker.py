@@ -17,11 +17,12 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
-from megatron_llep.placement import apply as placement_apply
-from megatron_llep.placement.apply import apply_placement, restore_original_order
+from megatron_llep.integrations import placement as placement_apply
+from megatron_llep.integrations.placement import apply_placement, restore_original_order
 from megatron_llep.placement.placement import ExpertPlacement, read_checkpoint_placement, write_checkpoint_placement
-from megatron_llep.placement.recorder import RoutingTraceRecorder
-from megatron_llep.scenarios import force_routing, imbalanced_topk
+from megatron_llep.integrations.routing_traces import RoutingTraceRecorder
+from megatron_llep.runtime.forced_routing import force_routing
+from megatron_llep.planning.scenarios import imbalanced_topk
 from megatron_llep.testing import grouped_gemm_cpu
 from megatron_llep.testing.moe import build_moe_layer, gathered_expert_weights, init_expert_parallel, moe_config
 

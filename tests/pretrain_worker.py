@@ -54,7 +54,7 @@ def _wrong_expert_sent():
 @contextlib.contextmanager
 def _router_rows_stay():
     """Negative control: --llep-placement moves the experts but not their router rows."""
-    from megatron_llep.placement import apply
+    from megatron_llep.integrations import placement as apply
 
     original = apply.router_expert_tensors
     apply.router_expert_tensors = lambda router, num_experts: []
@@ -69,7 +69,7 @@ def _loader_on_the_dropout_generator():
     """Negative control: Megatron-LM's data loaders draw from the generator dropout uses on CPU."""
     from megatron.training import training
 
-    from megatron_llep.compat import megatron_training_cpu
+    from megatron_llep.testing import megatron_training_cpu
 
     megatron_training_cpu.enable()
     own_generator = training.build_pretraining_data_loader
@@ -96,7 +96,7 @@ def main(out_dir: str, spec_path: str) -> None:
     from megatron.training import global_vars
     from megatron.training.training import destroy_global_state
 
-    from megatron_llep.metrics import STATS
+    from megatron_llep.runtime.state import STATS
     from recipes import pretrain_gpt
     from recipes.make_indexed_dataset import build_indexed_dataset
 

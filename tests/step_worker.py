@@ -28,13 +28,15 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_llep
-from megatron_llep import dispatcher as llep_dispatcher, kept_weights
+from megatron_llep.runtime import dispatcher as llep_dispatcher
+from megatron_llep.runtime import kept_weights
+from megatron_llep.runtime import state as llep_state
 from megatron_llep.compat.torch_autograd import running_backward
 from megatron_llep.config import LLEPConfig
-from megatron_llep.layer import with_llep
-from megatron_llep.scenarios import force_routing
+from megatron_llep.runtime.layer import with_llep
+from megatron_llep.runtime.forced_routing import force_routing
 from megatron_llep.testing.kept_returns import counting_gradient_returns
-from megatron_llep.weight_exchange import ExpertWeightExchange
+from megatron_llep.runtime.weight_exchange import ExpertWeightExchange
 
 VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 8, 2, 8, 2
 
@@ -418,7 +420,7 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         results.append({"case": dataclasses.asdict(case), "plain_losses": plain_losses, "llep_losses": llep_losses,
                         "grad_rel_diff": grad_diff, "param_rel_diff": worst, "errors": errors,
                         **dict(zip(counts, totals.tolist()))})
-        for ledger in kept_weights._LEDGERS.values():  # the next case builds new layers
+        for ledger in llep_state._LEDGERS.values():  # the next case builds new layers
             ledger.held.clear(), ledger.pending.clear(), ledger.returning.clear()
             ledger.used[:] = 0
     return results
@@ -428,7 +430,7 @@ def evaluation_keeps_copies(rank: int, world: int) -> dict:
     """Evaluation: the copies a forward received serve the next forwards (no new copy, outputs
     still stock EP's); a state-dict load drops them, so the forward after it computes with the new
     weights. Negative control ("stale"): with the load hook off, it computes with the old copies."""
-    from megatron_llep.scenarios import imbalanced_topk
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
 
     parallel_state.destroy_model_parallel()

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError
-from megatron_llep.cost_model import CostModel, ExpertShape
-from megatron_llep.metrics import LLEPStatsTracker, LLEPStepStats, budget_phrase, merge_layer_statistic
-from megatron_llep.planner import InfeasibleBudgetError, plan_llep, rank_loads
+from megatron_llep.planning.cost_model import CostModel, ExpertShape
+from megatron_llep.runtime.statistics import LLEPStatsTracker, LLEPStepStats, budget_phrase, merge_layer_statistic
+from megatron_llep.planning import InfeasibleBudgetError, plan_llep, rank_loads
 
 SHAPE = ExpertShape(hidden_size=64, ffn_hidden_size=64, bias=True)
 COST_MODELS = [CostModel(), CostModel.cpu(), CostModel(intra_node_gbps=1e-6, inter_node_gbps=1e-6)]
@@ -222,7 +222,7 @@ def test_statistics_show_the_most_rows_against_the_budget():
 
 
 def test_log_lines_show_the_rows_against_the_budget():
-    from megatron_llep.megatron_lm import summary_line
+    from megatron_llep.integrations.megatron_lm import summary_line
     from recipes.dashboard import llep_summary
 
     metrics = {"moe/layer_1/llep_active": 1.0, "moe/layer_1/max_mean_before": 2.0, "moe/layer_1/max_mean_after": 1.0,

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import CostModel, ExpertShape
+from megatron_llep.planning.cost_model import CostModel, ExpertShape
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_training_prices_backward_too():
     """Training: GEMMs count forward and backward (3x the flops), the layer's bytes count twice."""
     import numpy as np
 
-    from megatron_llep.planner import LayerTimeModel, plan_llep
+    from megatron_llep.planning import LayerTimeModel, plan_llep
 
     inference, training = CostModel(), CostModel(training=True)
     a, b = inference.gemm_coefficients(GPT_OSS_120B)

@@ -1,6 +1,6 @@
 """The once-per-step return of kept copies' gradients (issue 25): the phases
-(:func:`megatron_llep.planner.gradient_return_phases`) and the runtime that posts them
-(:meth:`megatron_llep.kept_weights.KeptLedger.flush_layer`), against the plain sum of every
+(:func:`megatron_llep.planning.gradient_return.gradient_return_phases`) and the runtime that posts them
+(:meth:`megatron_llep.runtime.kept_weights.KeptLedger.flush_layer`), against the plain sum of every
 helper's gradient at each native rank, in float64."""
 
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron_llep.planner import gradient_return_phases
+from megatron_llep.planning import gradient_return_phases
 from megatron_llep.testing.distributed import run_distributed
 
 
@@ -103,7 +103,7 @@ class _Layer:
     """What the ledger needs of an LLEP layer (hashable, like the dispatcher it stands for)."""
 
     def __init__(self) -> None:
-        from megatron_llep.kept_weights import KeptExperts
+        from megatron_llep.runtime.kept_weights import KeptExperts
 
         self.kept, self.kept_copy_bytes = KeptExperts(), 1
 
@@ -111,8 +111,8 @@ class _Layer:
 def _flush_worker(rank: int, world_size: int, cases: dict) -> dict:
     import torch.distributed as dist
 
-    from megatron_llep import kept_weights
-    from megatron_llep.kept_weights import KeptLedger
+    from megatron_llep.runtime import kept_weights
+    from megatron_llep.runtime.kept_weights import KeptLedger
 
     tensors = [torch.zeros(shape) for shape in SHAPES]
     adapter = SimpleNamespace(num_local_experts=1, tensor_specs=lambda: [(t.shape, t.dtype) for t in tensors],

@@ -14,8 +14,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
-from megatron_llep.dispatcher import check_megatron_config
-from megatron_llep.layer import LLEPMoELayer, with_llep
+from megatron_llep.runtime.megatron_checks import check_megatron_config
+from megatron_llep.runtime.layer import LLEPMoELayer, with_llep
 
 
 def _constructor_keywords(node):
@@ -123,7 +123,7 @@ def test_cpu_compat_is_inert_when_cuda_is_available():
         import torch
         torch.cuda.is_available = lambda: True
         stream_class = torch.cuda.Stream
-        from megatron_llep.compat import cpu_gloo
+        from megatron_llep.testing import cpu_gloo
         assert cpu_gloo.enable() is False
         assert not cpu_gloo.is_enabled()
         assert torch.cuda.Stream is stream_class
@@ -136,7 +136,7 @@ def test_cpu_compat_maps_cuda_placements_to_cpu():
     code = textwrap.dedent(
         """
         import torch
-        from megatron_llep.compat import cpu_gloo
+        from megatron_llep.testing import cpu_gloo
         assert cpu_gloo.enable() is True
         t = torch.zeros(2, device="cuda")
         assert t.device.type == "cpu" and t.cuda() is t
@@ -155,7 +155,7 @@ def test_cpu_compat_maps_cuda_placements_to_cpu():
 def test_borrowed_calls_switch_weight_gradient_fusion_off_and_back():
     import torch
 
-    from megatron_llep.experts import _fusion_flag_holders, _unfused_weight_grads
+    from megatron_llep.runtime.experts import _fusion_flag_holders, _unfused_weight_grads
 
     experts = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.ReLU())
     experts[0].gradient_accumulation_fusion = True  # Megatron's linear

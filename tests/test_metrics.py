@@ -3,8 +3,8 @@
 import numpy as np
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.metrics import LLEPStatsTracker, LLEPStepStats
-from megatron_llep.planner import plan_llep
+from megatron_llep.runtime.statistics import LLEPStatsTracker, LLEPStepStats
+from megatron_llep.planning import plan_llep
 
 
 def test_stats_from_a_spilling_plan():
@@ -52,8 +52,8 @@ def test_megatron_lm_evaluation_is_kept_out_of_the_training_statistics():
         pytest.skip(missing_reason())
     from megatron.training import training
 
-    from megatron_llep import megatron_lm
-    from megatron_llep.metrics import STATS
+    from megatron_llep.integrations import megatron_lm
+    from megatron_llep.runtime.state import STATS
 
     original = training.evaluate
     try:

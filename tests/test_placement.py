@@ -21,8 +21,8 @@ from megatron_llep.placement.cap import (
 )
 from megatron_llep.placement.metrics import Topology, coactivation, comm_cost, devices_per_token, load_imbalance
 from megatron_llep.placement.placement import ExpertPlacement, check_permutation, check_routing_groups
-from megatron_llep.placement.pruning import prune_devices
-from megatron_llep.placement.recorder import _Reservoir
+from megatron_llep.runtime.pruning import prune_devices
+from megatron_llep.integrations.routing_traces import _Reservoir
 from megatron_llep.placement.replication import eplb_placement, route_with_replicas
 from megatron_llep.placement.trace import RoutingTrace, clustered_topk, merge_traces, planted_clusters, synthetic_trace
 

@@ -88,9 +88,9 @@ OUTLIER = (1, 0.5, 2)  # rank, position, call (0 is the warm-up)
 def _profile_rank(rank: int, world: int) -> dict:
     import torch
 
-    from megatron_llep.placement import apply as placement_apply
-    from megatron_llep.placement.apply import apply_placement, restore_original_order
-    from megatron_llep.placement.profile import profile_spectrum
+    from megatron_llep.integrations import placement as placement_apply
+    from megatron_llep.integrations.placement import apply_placement, restore_original_order
+    from megatron_llep.integrations.placement import profile_spectrum
     from megatron_llep.testing.moe import build_moe_layer, init_expert_parallel, moe_config
 
     init_expert_parallel(world)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import CostModel, ExpertShape
-from megatron_llep.planner import LLEPPlan, LayerTimeModel, chunk_gather_index, copy_waves, plan_llep, rank_loads
-from megatron_llep.scenarios import imbalanced_topk
+from megatron_llep.planning.cost_model import CostModel, ExpertShape
+from megatron_llep.planning import LLEPPlan, LayerTimeModel, chunk_gather_index, copy_waves, plan_llep, rank_loads
+from megatron_llep.planning.scenarios import imbalanced_topk
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import plan_model  # noqa: E402  (the plan-level benchmark: its scenarios and its layer-time prediction)

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.cost_model import CostModel, ExpertShape
-from megatron_llep.planner import LLEPPlan, LayerTimeModel, plan_llep
+from megatron_llep.planning.cost_model import CostModel, ExpertShape
+from megatron_llep.planning import LLEPPlan, LayerTimeModel, plan_llep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -126,6 +126,7 @@ def _planner_before_issue_25():
                                 capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
+    source = source.replace("from megatron_llep.cost_model import", "from megatron_llep.planning.cost_model import")
     spec = importlib.util.spec_from_loader("planner_before_issue_25", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up

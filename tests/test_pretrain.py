@@ -1,5 +1,5 @@
 """Pretraining through Megatron-LM's own loop (recipes/pretrain_gpt.py = Megatron-LM's pretrain_gpt
-plus the megatron_llep.megatron_lm plugin) on CPU, gloo, 2 ranks, a tiny GPT MoE and a tiny blended
+plus the megatron_llep.integrations.megatron_lm plugin) on CPU, gloo, 2 ranks, a tiny GPT MoE and a tiny blended
 indexed dataset built here: LLEP and plain EP give the same losses and grad norms under forced
 imbalance while LLEP really spills (statistics read back from Megatron-LM's writers, wandb
 included); a broken LLEP mapping fails that comparison; resuming from a checkpoint continues
@@ -240,7 +240,7 @@ def test_entry_point_refuses_in_one_line_without_megatron_training():
 
 def _llep_flags(*argv: str) -> argparse.Namespace:
     """The plugin's flags parsed beside the Megatron-LM flags they are checked against."""
-    from megatron_llep.megatron_lm import add_llep_args
+    from megatron_llep.integrations.megatron_lm import add_llep_args
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-experts", type=int, default=8)
@@ -253,8 +253,8 @@ def _llep_flags(*argv: str) -> argparse.Namespace:
 
 def test_llep_flags_map_onto_llep_config():
     from megatron_llep.config import LLEPConfig
-    from megatron_llep.cost_model import CostModel
-    from megatron_llep.megatron_lm import llep_config_from_args, note_when_idle
+    from megatron_llep.planning.cost_model import CostModel
+    from megatron_llep.integrations.megatron_lm import llep_config_from_args, note_when_idle
 
     args = _llep_flags("--llep", "--llep-alpha", "1.5", "--llep-min-chunk-tokens", "7", "--llep-imbalance-threshold", "2",
                        "--llep-ranks-per-node", "4", "--no-llep-cost-aware", "--llep-cost-model", "h200",
@@ -279,7 +279,7 @@ def test_llep_flags_map_onto_llep_config():
     (["--llep-placement", "/nonexistent/placement.json"], "--llep-placement /nonexistent/placement.json: "),
 ])
 def test_bad_llep_flags_are_refused_in_one_line(argv, message):
-    from megatron_llep.megatron_lm import check_llep_args
+    from megatron_llep.integrations.megatron_lm import check_llep_args
 
     with pytest.raises(ValueError) as err:
         check_llep_args(_llep_flags("--llep", *argv))
@@ -287,7 +287,7 @@ def test_bad_llep_flags_are_refused_in_one_line(argv, message):
 
 
 def test_a_placement_for_another_model_is_refused(tmp_path):
-    from megatron_llep.megatron_lm import check_llep_args
+    from megatron_llep.integrations.megatron_lm import check_llep_args
     from megatron_llep.placement import ExpertPlacement
 
     ExpertPlacement.identity(16, 2, [1, 2]).save(str(tmp_path / "placement.json"))
@@ -323,7 +323,7 @@ def test_a_usage_error_found_after_megatron_parses_is_one_line(tmp_path):
 
 
 def test_cpu_runs_get_the_flags_megatron_lm_needs_there():
-    from megatron_llep.compat.megatron_training_cpu import cpu_argv
+    from megatron_llep.testing.megatron_training_cpu import cpu_argv
 
     argv = cpu_argv(["--llep", "--spec", "local", "--no-rope-fusion"])
     assert argv[:4] == ["--llep", "--spec", "local", "--no-rope-fusion"]
@@ -336,7 +336,7 @@ def test_cpu_runs_get_the_flags_megatron_lm_needs_there():
 def test_checkpoints_in_another_expert_order_are_refused(tmp_path):
     """Megatron-LM loads into the model after the placement moved its experts: a checkpoint saved in
     another order would load every moved expert into the wrong slot, silently."""
-    from megatron_llep.megatron_lm import check_llep_args, record_checkpoint_placement
+    from megatron_llep.integrations.megatron_lm import check_llep_args, record_checkpoint_placement
     from megatron_llep.placement import ExpertPlacement
 
     swapped = np.array([7, 6, 5, 4, 3, 2, 1, 0])

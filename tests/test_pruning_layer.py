@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError, RoutingPruning
-from megatron_llep.metrics import LLEPStatsTracker, PruningStepStats, pruning_metrics, pruning_totals
-from megatron_llep.placement.pruning import device_costs, prune_experts, prune_routing_map
+from megatron_llep.runtime.statistics import LLEPStatsTracker, PruningStepStats, pruning_metrics, pruning_totals
+from megatron_llep.runtime.pruning import device_costs, prune_experts, prune_routing_map
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # recipes.dashboard, in the spawned ranks too
@@ -153,8 +153,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_case(rank: int, case: Case) -> dict:
-    from megatron_llep.metrics import STATS
-    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.runtime.state import STATS
+    from megatron_llep.runtime.forced_routing import force_routing
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from megatron_llep.testing.moe import build_moe_layer, moe_config
 
     router = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -211,7 +212,8 @@ def _run_case(rank: int, case: Case) -> dict:
 
 
 def _training_refusal(rank: int) -> str:
-    from megatron_llep.scenarios import force_routing, imbalanced_topk
+    from megatron_llep.runtime.forced_routing import force_routing
+    from megatron_llep.planning.scenarios import imbalanced_topk
     from megatron_llep.testing.moe import build_moe_layer, moe_config
 
     layer = build_moe_layer(moe_config(NUM_EXPERTS, HIDDEN, FFN, 4, WORLD),

@@ -10,9 +10,9 @@ import torch
 from megatron_llep.config import LLEPConfig
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-from megatron_llep.dispatcher import _RowPermutation, _SendColumns
-from megatron_llep.planner import chunk_gather_index, plan_llep
-from megatron_llep.scenarios import imbalanced_topk
+from megatron_llep.runtime.permutation import RowPermutation, SendColumns
+from megatron_llep.planning import chunk_gather_index, plan_llep
+from megatron_llep.planning.scenarios import imbalanced_topk
 
 
 @pytest.mark.parametrize("ep, experts, topk, hot", [(2, 8, 2, 1), (4, 16, 4, 4), (8, 32, 4, 16), (8, 64, 8, 1)])
@@ -23,7 +23,7 @@ def test_device_orders_equal_the_planners_host_orders(ep, experts, topk, hot):
     assert not plan.is_plain_ep
     for rank in range(ep):
         view = plan.rank_view(rank)
-        built, reference = _RowPermutation.recv_order(view, torch.device("cpu")), view.recv_order()
+        built, reference = RowPermutation.recv_order(view, torch.device("cpu")), view.recv_order()
         assert np.array_equal(built.forward.numpy(), reference)
         assert torch.equal(built.forward[built.inverse], torch.arange(reference.size))
         assert torch.equal(built.inverse[built.forward], torch.arange(reference.size))
@@ -49,7 +49,7 @@ def test_megatrons_permute_with_the_send_columns_emits_the_send_order(ep, expert
         tokens = torch.randn(256, 6, dtype=torch.float64)
         probs = torch.rand(256, experts, dtype=torch.float64) * routing
         stock_rows, stock_probs, _ = permute(tokens, routing, probs=probs, num_out_tokens=256 * topk)[:3]
-        columns = _SendColumns(view, torch.device("cpu"))
+        columns = SendColumns(view, torch.device("cpu"))
         if broken:  # negative control: destinations in reverse order
             order = torch.argsort(torch.as_tensor(np.nonzero(view.send_counts.T)[0]), descending=True, stable=True)
             columns.expert, columns.lo, columns.hi = columns.expert[order], columns.lo[order], columns.hi[order]
@@ -63,7 +63,7 @@ def test_megatrons_permute_with_the_send_columns_emits_the_send_order(ep, expert
 
 
 def test_a_rank_without_rows():
-    empty = _RowPermutation(np.zeros(6, np.int64), np.arange(6)[::-1].copy(), torch.device("cpu"))
+    empty = RowPermutation(np.zeros(6, np.int64), np.arange(6)[::-1].copy(), torch.device("cpu"))
     assert empty.forward.numel() == 0 and empty.inverse.numel() == 0
 
 
@@ -72,9 +72,9 @@ def test_any_chunk_order_with_empty_chunks(seed):
     rng = np.random.default_rng(seed)
     sizes = rng.integers(0, 4, 40) * (rng.random(40) < 0.6)  # many empty chunks
     order = rng.permutation(40)
-    built = _RowPermutation(sizes, order, torch.device("cpu"))
+    built = RowPermutation(sizes, order, torch.device("cpu"))
     reference = chunk_gather_index(sizes, order)
     assert np.array_equal(built.forward.numpy(), reference)
     assert np.array_equal(built.inverse.numpy(), np.argsort(reference))
     with pytest.raises(ValueError, match="leaves out non-empty chunks"):
-        _RowPermutation(sizes + 1, order[:-1], torch.device("cpu"))
+        RowPermutation(sizes + 1, order[:-1], torch.device("cpu"))

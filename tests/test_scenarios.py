@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from megatron_llep.scenarios import imbalanced_topk
+from megatron_llep.planning.scenarios import imbalanced_topk
 
 
 @pytest.mark.parametrize("f, h, k", [(0.95, 1, 4), (0.8, 4, 4), (0.5, 16, 8), (0.3, 2, 1)])

@@ -13,8 +13,9 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.layer import LLEPMoELayer, with_llep
-from megatron_llep.scenarios import force_routing, imbalanced_topk
+from megatron_llep.runtime.layer import LLEPMoELayer, with_llep
+from megatron_llep.runtime.forced_routing import force_routing
+from megatron_llep.planning.scenarios import imbalanced_topk
 from megatron_llep.testing.moe import init_expert_parallel
 
 VOCAB, SEQ, BATCH, EXPERTS, TOPK = 64, 8, 2, 8, 2

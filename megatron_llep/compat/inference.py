@@ -19,7 +19,7 @@ the end-of-document id), ``GPTInferenceWrapper`` (the forward calls) and ``Stati
   after which a forward with labels (a loss evaluation beside generation) fails; here the mark is
   held only while :func:`generate` runs (0.16 has no such mark).
 
-Works on CPU with :mod:`megatron_llep.compat.cpu_gloo` enabled (its events time the decode steps).
+Works on CPU with :mod:`megatron_llep.testing.cpu_gloo` enabled (its events time the decode steps).
 """
 
 from __future__ import annotations

@@ -5,27 +5,25 @@ Every layer has its own spectrum (comm-optimal first, most balanced last) of its
 layer of ``L`` points takes step ``round(f * (L - 1))`` (halves round up). ``f = 0`` is the
 comm-optimal placement of every layer, ``f = 1`` the most balanced one.
 
-:func:`profile_spectrum` applies the placement of each candidate position to the live model, times
+:func:`~megatron_llep.integrations.placement.profile_spectrum` applies the placement of each candidate position to the live model, times
 a caller-supplied forward, restores the original order and keeps the fastest: which point wins
 depends on the machine's bandwidth between GPUs against its compute, which no cost model knows as
 well as a measurement. Times are the maximum over ranks (the step ends when the slowest rank does)
 and every rank decides on the same all-reduced numbers, so all ranks pick the same placement.
 
-The rest (:func:`placement_at`, :func:`profile_positions`, :meth:`ProfileReport.from_times`) is pure
-and needs no process group.
+This module is the pure part (:func:`placement_at`, :func:`profile_positions`,
+:meth:`ProfileReport.from_times`), needing no process group; the timing on a live model is
+:func:`megatron_llep.integrations.placement.profile_spectrum`.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from megatron_llep.placement.cap import CAPResult
 from megatron_llep.placement.metrics import devices_per_token
@@ -166,77 +164,3 @@ class ProfileReport:
                           "-" if row.tokens_per_second is None else f"{row.tokens_per_second:.1f}"])
         widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(_COLUMNS)]
         return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in [list(_COLUMNS), *cells])
-
-
-def profile_spectrum(
-    model: Union[torch.nn.Module, Iterable[torch.nn.Module]],
-    results: dict[int, CAPResult],
-    run_forward: Callable[[], None],
-    group: Optional[dist.ProcessGroup] = None,
-    candidates: int = 5,
-    warmup: int = 1,
-    repeats: int = 3,
-    tokens: Optional[int] = None,
-    trace: Optional[RoutingTrace] = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> ProfileReport:
-    """Time ``run_forward`` under the placement of each of ``candidates`` positions
-    (:func:`profile_positions`) and return the report. After each candidate the original order is
-    restored (also when ``run_forward`` raises, which is then re-raised), so the model ends bit for
-    bit as it started.
-
-    Every rank of the model must call it with the same ``results``: placements move experts
-    between EP ranks. ``run_forward`` runs one forward (e.g. a fixed batch under ``torch.no_grad``)
-    and must leave no accumulated gradients (placing refuses them). Each candidate gets ``warmup``
-    untimed and ``repeats`` timed calls, each after a barrier and, on GPU, a synchronize; each
-    repeat's time is the maximum over ``group`` (default: every rank, so data-parallel replicas
-    cannot choose different layouts) and the candidate's time the median of its repeats.
-    ``tokens`` (per call, over all ranks) adds tokens/s; ``trace`` adds devices per token;
-    ``clock`` is replaceable for tests.
-    """
-    from megatron.core import utils as mcore_utils  # here: the pure parts must not need Megatron
-
-    from megatron_llep.placement.apply import apply_placement, moe_layers, restore_original_order
-
-    if warmup < 0 or repeats < 1:
-        raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {warmup} and {repeats}")
-    layers = moe_layers(model)
-    ep_sizes = {mcore_utils.get_pg_size(layer.ep_group) for layer in layers.values()}
-    if len(ep_sizes) != 1:
-        raise ValueError(f"the model's MoE layers run at different expert-parallel sizes {sorted(ep_sizes)}")
-    ep_size = ep_sizes.pop()
-    first = next(iter(layers.values()))
-    routing_groups = first.config.moe_router_num_groups or 1
-    device = next(first.parameters()).device
-    distributed = dist.is_available() and dist.is_initialized()
-
-    def start_together() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if distributed:
-            dist.barrier(group)
-
-    positions = profile_positions(results, candidates)
-    measured = []
-    for position in positions:
-        placement = placement_at(results, position, ep_size, routing_groups)
-        apply_placement(model, placement)
-        try:
-            for _ in range(warmup):
-                run_forward()
-            repeat_times = []
-            for _ in range(repeats):
-                start_together()
-                start = clock()
-                run_forward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                repeat_times.append(clock() - start)
-            measured.append(repeat_times)
-        finally:
-            restore_original_order(model, placement)
-    agreed = torch.tensor(measured, dtype=torch.float64, device=device)
-    if distributed:
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    return ProfileReport.from_times(results, ep_size, list(zip(positions, agreed.tolist())), tokens, trace,
-                                    routing_groups)

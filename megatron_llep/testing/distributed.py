@@ -37,7 +37,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    from megatron_llep.compat import cpu_gloo
+    from megatron_llep.testing import cpu_gloo
 
     cpu_gloo.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from megatron_llep import kept_weights
+from megatron_llep.runtime import kept_weights
 
 
 @contextlib.contextmanager

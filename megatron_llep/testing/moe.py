@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
-from megatron_llep.layer import LLEPMoELayer
+from megatron_llep.runtime.layer import LLEPMoELayer
 
 
 def init_expert_parallel(ep_size: int, seed: int = 1234) -> None:
@@ -82,7 +82,7 @@ def build_moe_layer(
     grouped_gemm: bool = False,
 ) -> MoELayer:
     """A Megatron MoELayer (plain EP) or LLEPMoELayer (routing can be forced with
-    :func:`megatron_llep.scenarios.force_routing`).
+    :func:`megatron_llep.runtime.forced_routing.force_routing`).
 
     Weights are set from ``seed`` and each expert's *global* id, so every expert differs from every
     other and both layer kinds built with the same seed hold identical weights. ``grouped_gemm``
@@ -150,7 +150,7 @@ def gathered_expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[s
 def send_a_neighbouring_expert() -> Iterator[None]:
     """Negative control for parity tests: every native rank sends the weights of the expert next to
     the one borrowed, so borrowed slots compute with the wrong expert."""
-    from megatron_llep.weight_exchange import ExpertWeightExchange
+    from megatron_llep.runtime.weight_exchange import ExpertWeightExchange
 
     original = ExpertWeightExchange._source_tensors
 

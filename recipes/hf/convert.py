@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megatron_llep.kept_weights import drop_kept_experts
+from megatron_llep.runtime.state import drop_kept_experts
 from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError, HFCheckpointWriter
 
 FAMILIES: dict[str, str] = {"gpt-oss": "recipes.hf.gpt_oss", "deepseek-v3": "recipes.hf.deepseek_v3"}

@@ -13,7 +13,7 @@ whose accuracy contribution is small for its communication cost.
 
 Both always keep a token's first-ranked device (expert), and ``p = 0`` keeps everything, even
 zero-score experts. :func:`prune_routing_map` applies either rule to Megatron's ``[tokens,
-experts]`` routing (what :class:`~megatron_llep.layer.LLEPMoELayer` does with
+experts]`` routing (what :class:`~megatron_llep.runtime.layer.LLEPMoELayer` does with
 ``LLEPConfig.pruning``).
 
 **Normalisation.** The kept scores are rescaled so that their sum equals the token's original

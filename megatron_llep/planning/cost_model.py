@@ -1,7 +1,7 @@
 """The timing model behind cost-aware LLEP planning.
 
 LLEP moves tokens *and* a copy of the expert's weights to a helper. Whether a plan is worth it is
-decided on the whole layer (``megatron_llep.planner.LayerTimeModel``: dispatch, slowest rank's
+decided on the whole layer (``megatron_llep.planning.time_model.LayerTimeModel``: dispatch, slowest rank's
 GEMMs, combine), from two primitives this module provides. They are deliberately simple and
 calibratable: a roofline GEMM time with a small-GEMM efficiency ramp, and a latency + bandwidth
 link time, separately for links inside a node and across nodes.

@@ -1,7 +1,7 @@
 """Run Megatron-LM's own training loop (``megatron.training.pretrain``) on CPU with gloo — tests and
 CPU demos only.
 
-On top of :mod:`megatron_llep.compat.cpu_gloo` (Megatron-Core on CPU), Megatron-LM's loop needs:
+On top of :mod:`megatron_llep.testing.cpu_gloo` (Megatron-Core on CPU), Megatron-LM's loop needs:
 
 * ``initialize_megatron`` asserts CUDA unless called with ``allow_no_cuda=True`` (``pretrain`` never
   passes it);
@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from megatron_llep.compat import cpu_gloo
+from megatron_llep.testing import cpu_gloo
 
 CPU_FLAGS: tuple[tuple[str, ...], ...] = (
     ("--distributed-backend", "gloo"),

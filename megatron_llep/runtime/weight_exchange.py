@@ -1,8 +1,8 @@
 """Borrowed expert weights: native -> helper in forward, their gradients helper -> native in backward.
 
 Forward: :meth:`ExpertWeightExchange.start` posts the P2P sends/receives on a communicator of their
-own (:func:`weight_exchange_group`) before the token all-to-all, one batch per wave
-(:func:`megatron_llep.planner.copy_waves`: each helper's first copy, its second, then 2, 4 ...); the
+own (:func:`megatron_llep.runtime.state.weight_exchange_group`) before the token all-to-all, one batch per wave
+(:func:`megatron_llep.planning.plan.copy_waves`: each helper's first copy, its second, then 2, 4 ...); the
 native experts run while they travel; :meth:`finish_wave` then waits for one wave and hands out its
 weights through an autograd function, so the helper computes a wave's experts while the later
 waves are still on the wire.
@@ -12,7 +12,8 @@ native expert's gradient — into ``main_grad`` directly under Megatron DDP (its
 be ignoring ``param.grad`` for fused wgrad), otherwise into ``param.grad`` through autograd. The
 wave nodes (:meth:`finish_wave`, chained, so they run last wave first on every rank) post each
 wave's transfers as soon as its borrowed experts' backward is done; the node on the experts' input
-(:meth:`attach`) waits for them after the native experts' backward. So the transfers overlap the
+(:meth:`LLEPTokenDispatcher.attach_gradient_return`, through :meth:`return_gradients`) waits for
+them after the native experts' backward. So the transfers overlap the
 backward, and every node runs, on every participating rank, strictly between the combine and the
 dispatch all-to-all backward of the same layer: the gradient return can never deadlock against
 them. Every rank posts its waves in one global order (ascending in forward, descending in
@@ -23,42 +24,21 @@ Megatron DDP's gradient hooks on them fire only after the returned gradients are
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_llep.experts import ExpertAdapter
-from megatron_llep.kept_weights import KeptExperts, add_to_param_grads
-from megatron_llep.planner import RankPlan
-
-
-_WEIGHT_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def weight_exchange_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A communicator over the same ranks as ``ep_group``, one per EP group and process. Created
-    by the group's members only (``use_local_synchronization``), when their first LLEP layer is
-    built: every member builds the same layers, so they all get here together.
-
-    Its first operation is an all-reduce of all members: a batched P2P that is a communicator's
-    first operation must include all its ranks (``torch.distributed.batch_isend_irecv``; under NCCL
-    the lazy communicator set-up would hang), and a step's weight copies involve only some."""
-    ranks = tuple(dist.get_process_group_ranks(ep_group))
-    if ranks not in _WEIGHT_GROUPS:
-        group = dist.new_group(list(ranks), use_local_synchronization=True)
-        on_gpu = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
-        _WEIGHT_GROUPS[ranks] = group
-    return _WEIGHT_GROUPS[ranks]
+from megatron_llep.planning.plan import RankPlan
+from megatron_llep.runtime.experts import ExpertAdapter
+from megatron_llep.runtime.kept_weights import KeptExperts
 
 
 class ExpertWeightExchange:
     """The weight transfers of one rank for one layer step (one micro-batch's forward and
     backward): copies this rank sends (as native rank, or as the keeper that relays one inside
     its node), copies it receives, the kept copies it computes with, and the per-micro-batch
-    gradient return of the copies that are not kept (:mod:`megatron_llep.kept_weights` returns
+    gradient return of the copies that are not kept (:mod:`megatron_llep.runtime.kept_weights` returns
     the kept ones once per step)."""
 
     def __init__(
@@ -308,58 +288,3 @@ class _BorrowWave(torch.autograd.Function):
     def backward(ctx, grad_native_output, *grad_received):
         ctx.exchange.post_gradients(ctx.wave, list(grad_received))
         return grad_native_output, None, None, None
-
-
-def attach_gradient_return(
-    expert_input: torch.Tensor,
-    adapter: ExpertAdapter,
-    first_local_expert: int,
-    exchange: Optional[ExpertWeightExchange],
-    lent_experts: list[int],
-    finish_kept: Callable[[], dict[int, list[torch.Tensor]]],
-) -> torch.Tensor:
-    """Pass the experts' input through the node that ends the layer's gradient returns.
-
-    Its backward runs once every expert on this rank, native and borrowed, has produced its input
-    gradient, and before the dispatch all-to-all's backward (which needs that gradient): it
-    completes the per-micro-batch returns of ``exchange`` (copies that are not kept), then calls
-    ``finish_kept`` (the step's return of the kept copies, when this backward is the reducing
-    one; it adds into ``main_grad`` itself and returns the fp32 sums of experts without one). The
-    native parameters of ``lent_experts`` (global ids of this rank's experts that are sent or kept
-    elsewhere) are inputs of the node, so Megatron DDP's gradient hooks on them fire only after
-    the returned gradients are in, and without DDP their gradients come back through autograd."""
-    lent = [t for expert in lent_experts for t in adapter.expert_tensors(expert - first_local_expert)]
-    ctx_state = (adapter, first_local_expert, exchange, lent_experts, finish_kept)
-    return _ReturnBorrowedGradients.apply(expert_input, ctx_state, *lent)
-
-
-class _ReturnBorrowedGradients(torch.autograd.Function):
-    """Identity on the experts' input; backward completes the gradient returns to the lent experts."""
-
-    @staticmethod
-    def forward(ctx, expert_input, state, *lent):
-        ctx.state = state
-        return expert_input.view_as(expert_input)
-
-    @staticmethod
-    def backward(ctx, grad_expert_input):
-        adapter, first_local, exchange, lent_experts, finish_kept = ctx.state
-        per_expert = len(adapter.tensor_specs())
-        now = dict(zip(exchange.sent_experts, _chunks(exchange.return_gradients(), per_expert))) if exchange else {}
-        kept = finish_kept()
-        grads: list[Optional[torch.Tensor]] = []
-        for expert in lent_experts:
-            params = adapter.expert_tensors(expert - first_local)
-            parts = now.get(expert, [None] * per_expert)
-            sums = kept.pop(expert - first_local, None)
-            for param, part, total in zip(params, parts, sums or [None] * per_expert):
-                if total is not None:
-                    part = total.to(param.dtype) if part is None else (part.float() + total).to(param.dtype)
-                grads.append(part)
-        for local_expert, sums in kept.items():  # kept elsewhere by a forward after this one: no autograd slot
-            add_to_param_grads(adapter, local_expert, sums)
-        return (grad_expert_input, None, *grads)
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i : i + size] for i in range(0, len(items), size)]

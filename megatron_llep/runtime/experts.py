@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from megatron_llep.compat.mcore import GroupedMLP, SequentialMLP, TEGroupedMLP
-from megatron_llep.cost_model import ExpertShape
+from megatron_llep.planning.cost_model import ExpertShape
 
 Tensors = list[torch.Tensor]
 

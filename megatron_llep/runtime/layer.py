@@ -13,7 +13,6 @@ Enable it in a layer spec::
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any, Optional
 
 import numpy as np
@@ -26,10 +25,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
-from megatron_llep.dispatcher import LLEPTokenDispatcher
-from megatron_llep.experts import make_expert_adapter
-from megatron_llep.metrics import STATS, PruningStepStats
-from megatron_llep.placement.pruning import device_costs, prune_routing_map
+from megatron_llep.runtime.dispatcher import LLEPTokenDispatcher
+from megatron_llep.runtime.experts import make_expert_adapter
+from megatron_llep.runtime.pruning import device_costs, prune_routing_map
+from megatron_llep.runtime.state import STATS
+from megatron_llep.runtime.statistics import PruningStepStats
 
 
 class LLEPMoELayer(MoELayer):
@@ -122,14 +122,11 @@ class LLEPMoELayer(MoELayer):
             return super().routed_experts_compute(dispatcher.attach_gradient_return(hidden_states), probs)
         hidden, tokens_per_slot, slot_probs = dispatcher.dispatch_postprocess(hidden_states, probs)
         counts = tokens_per_slot.tolist()
-        exchange = dispatcher.weight_exchange
         hidden = dispatcher.attach_gradient_return(hidden)
         local = self.num_local_experts
         # the experts' calls, in slot order: native experts first, while the borrowed weights may
         # still be in flight; then the kept copies; then each wave as soon as its weights are in
-        calls = [(exchange.finish_held, len(exchange.held))] if exchange is not None and exchange.held else []
-        if exchange is not None:
-            calls += [(functools.partial(exchange.finish_wave, w), len(exchange.wave_receives[w])) for w in exchange.waves]
+        calls = dispatcher.borrowed_weight_calls()
         bounds = np.cumsum([0, local] + [n for _, n in calls])
         # one split of the rows for all calls: in backward a slice per call would each allocate a
         # zero-filled gradient of the whole input
@@ -141,8 +138,7 @@ class LLEPMoELayer(MoELayer):
             output, borrowed = finish(output)
             if borrowed:
                 borrowed_outputs += self.expert_adapter.forward_borrowed_part(piece, counts[a:b], piece_prob, borrowed)
-        if exchange is not None and not torch.is_grad_enabled() and not dispatcher.forward_awaits_recompute:
-            exchange.release_received()  # no backward or recompute will use them
+        dispatcher.end_forward()
         if borrowed_outputs:
             # the slots' outputs in one tensor for the combine permutation; the parts are not needed
             # by autograd (cat saves none), so drop them before the permutation's copy exists

@@ -1,4 +1,5 @@
-"""Apply an expert placement to a live Megatron model, exactly, and restore the original order.
+"""Apply an expert placement to a live Megatron model, exactly, and restore the original order;
+pick a placement by timing the live model (:func:`profile_spectrum`).
 
 ``apply_placement(model, placement)`` permutes every MoE layer so that physical slot ``s`` holds
 what slot ``placement.slot_to_expert(layer)[s]`` held before: the routed experts' weights
@@ -21,7 +22,8 @@ optimizer, fp32 master copies that would not move) and with no accumulated gradi
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+import time
+from typing import Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -32,8 +34,11 @@ from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
 from megatron_llep.compat import mcore
 from megatron_llep.compat.mcore import GroupedMLP, SequentialMLP
-from megatron_llep.kept_weights import drop_kept_experts
+from megatron_llep.placement.cap import CAPResult
 from megatron_llep.placement.placement import ExpertPlacement, check_permutation, check_routing_groups
+from megatron_llep.placement.profile import ProfileReport, placement_at, profile_positions
+from megatron_llep.placement.trace import RoutingTrace
+from megatron_llep.runtime.state import drop_kept_experts
 
 Model = Union[torch.nn.Module, Iterable[torch.nn.Module]]
 
@@ -152,3 +157,73 @@ def _exchange(views: list[torch.Tensor], perm: np.ndarray, local: int, group) ->
             request.wait()
     for view, value in zip(views, incoming):
         view.copy_(value)
+
+
+def profile_spectrum(
+    model: Union[torch.nn.Module, Iterable[torch.nn.Module]],
+    results: dict[int, CAPResult],
+    run_forward: Callable[[], None],
+    group: Optional[dist.ProcessGroup] = None,
+    candidates: int = 5,
+    warmup: int = 1,
+    repeats: int = 3,
+    tokens: Optional[int] = None,
+    trace: Optional[RoutingTrace] = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> ProfileReport:
+    """Time ``run_forward`` under the placement of each of ``candidates`` positions
+    (:func:`profile_positions`) and return the report. After each candidate the original order is
+    restored (also when ``run_forward`` raises, which is then re-raised), so the model ends bit for
+    bit as it started.
+
+    Every rank of the model must call it with the same ``results``: placements move experts
+    between EP ranks. ``run_forward`` runs one forward (e.g. a fixed batch under ``torch.no_grad``)
+    and must leave no accumulated gradients (placing refuses them). Each candidate gets ``warmup``
+    untimed and ``repeats`` timed calls, each after a barrier and, on GPU, a synchronize; each
+    repeat's time is the maximum over ``group`` (default: every rank, so data-parallel replicas
+    cannot choose different layouts) and the candidate's time the median of its repeats.
+    ``tokens`` (per call, over all ranks) adds tokens/s; ``trace`` adds devices per token;
+    ``clock`` is replaceable for tests.
+    """
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    layers = moe_layers(model)
+    ep_sizes = {mcore_utils.get_pg_size(layer.ep_group) for layer in layers.values()}
+    if len(ep_sizes) != 1:
+        raise ValueError(f"the model's MoE layers run at different expert-parallel sizes {sorted(ep_sizes)}")
+    ep_size = ep_sizes.pop()
+    first = next(iter(layers.values()))
+    routing_groups = first.config.moe_router_num_groups or 1
+    device = next(first.parameters()).device
+    distributed = dist.is_available() and dist.is_initialized()
+
+    def start_together() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if distributed:
+            dist.barrier(group)
+
+    positions = profile_positions(results, candidates)
+    measured = []
+    for position in positions:
+        placement = placement_at(results, position, ep_size, routing_groups)
+        apply_placement(model, placement)
+        try:
+            for _ in range(warmup):
+                run_forward()
+            repeat_times = []
+            for _ in range(repeats):
+                start_together()
+                start = clock()
+                run_forward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                repeat_times.append(clock() - start)
+            measured.append(repeat_times)
+        finally:
+            restore_original_order(model, placement)
+    agreed = torch.tensor(measured, dtype=torch.float64, device=device)
+    if distributed:
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return ProfileReport.from_times(results, ep_size, list(zip(positions, agreed.tolist())), tokens, trace,
+                                    routing_groups)

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megatron_llep.placement.apply import Model, moe_layers
+from megatron_llep.integrations.placement import Model, moe_layers
 from megatron_llep.placement.trace import LayerTrace, RoutingTrace
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional
+import functools
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
@@ -30,13 +31,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_llep.compat import mcore
 from megatron_llep.compat.torch_autograd import running_backward
 from megatron_llep.config import LLEPConfig
-from megatron_llep.experts import ExpertAdapter
-from megatron_llep.kept_weights import (DeferredGradReady, KeptExperts, add_returned_gradients,
-                                        add_returned_outside_autograd, gradient_sync_on, last_backward_of_step,
-                                        ledger_for)
-from megatron_llep.metrics import STATS, LLEPStepStats
-from megatron_llep.planner import LLEPPlan, RankPlan, plan_llep
-from megatron_llep.weight_exchange import ExpertWeightExchange, attach_gradient_return, weight_exchange_group
+from megatron_llep.planning.plan import LLEPPlan, RankPlan
+from megatron_llep.planning.planner import plan_llep
+from megatron_llep.runtime.experts import ExpertAdapter
+from megatron_llep.runtime.kept_weights import (DeferredGradReady, KeptExperts, add_returned_gradients,
+                                                add_returned_outside_autograd, add_to_param_grads)
+from megatron_llep.runtime.megatron_checks import check_megatron_config
+from megatron_llep.runtime.permutation import RowPermutation, SendColumns
+from megatron_llep.runtime.state import (STATS, gradient_sync_on, last_backward_of_step, ledger_for,
+                                         weight_exchange_group)
+from megatron_llep.runtime.statistics import LLEPStepStats
+from megatron_llep.runtime.weight_exchange import ExpertWeightExchange
 
 
 # torch 2.13 renamed all_gather_into_tensor (same signature); keep older torch working
@@ -54,168 +59,6 @@ def _routing_fingerprint(routing_map: torch.Tensor) -> torch.Tensor:
     return (per_expert * mix).sum()
 
 
-class _PermuteRows(torch.autograd.Function):
-    """``x[index]`` for a row permutation; the backward is the inverse gather (exact, deterministic)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
-
-
-def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Reorder the rows of ``x`` by the permutation ``index`` (``inverse`` is its inverse)."""
-    return _PermuteRows.apply(x, index, inverse)
-
-
-class _RowPermutation:
-    """A row permutation and its inverse, built on the device they are applied on.
-
-    Rows come in chunks (e.g. source-major blocks of each expert); the permutation puts the chunks
-    in another order. The host knows the chunk sizes, so it computes each chunk's shift (new start
-    minus old start) for both directions; only those ``[chunks]`` vectors cross to the device,
-    where both indices come out of one ``arange + repeat_interleave(shift)`` over the two
-    directions laid end to end: no host loop over rows, no row-sized copy, four device ops.
-    """
-
-    def __init__(self, chunk_sizes: np.ndarray, chunk_order: np.ndarray, device: torch.device) -> None:
-        sizes = np.asarray(chunk_sizes, np.int64)
-        new_sizes = sizes[chunk_order]
-        total = int(new_sizes.sum())
-        if total != int(sizes.sum()):
-            raise ValueError("_RowPermutation: the chunk order leaves out non-empty chunks")
-        # forward[new row] = old row: each new chunk shifted by (its old start - its new start)
-        shift = (np.cumsum(sizes) - sizes)[chunk_order] - (np.cumsum(new_sizes) - new_sizes)
-        kept = new_sizes > 0
-        forward_shift = shift[kept]
-        # inverse[old row] = new row: the same chunks in their old order, shifted back; its rows
-        # follow the forward's in the joint index, hence the extra - total
-        old_order = np.sort(chunk_order[kept])
-        inverse_shift = np.zeros(sizes.size, np.int64)
-        inverse_shift[chunk_order[kept]] = -forward_shift
-        host = np.concatenate([new_sizes[kept], sizes[old_order], forward_shift, inverse_shift[old_order] - total])
-        packed = torch.from_numpy(host).to(device, non_blocking=True)  # one copy
-        half = host.size // 2
-        both = torch.arange(2 * total, device=device)
-        both += torch.repeat_interleave(packed[half:], packed[:half], output_size=2 * total)
-        self.forward, self.inverse = both[:total], both[total:]
-
-    @classmethod
-    def recv_order(cls, rank_plan: RankPlan, device: torch.device) -> "_RowPermutation":
-        """a2a output (source-major) -> slot-major expert input (native slots, then borrowed)."""
-        ep, num_experts = rank_plan.recv_counts.shape
-        chunk_order = (np.arange(ep)[None, :] * num_experts + rank_plan.slot_experts[:, None]).ravel()
-        return cls(rank_plan.recv_counts.ravel(), chunk_order, device)
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return permute_rows(x, self.forward, self.inverse)
-
-    def undo(self, x: torch.Tensor) -> torch.Tensor:
-        return permute_rows(x, self.inverse, self.forward)
-
-
-class _SendColumns:
-    """The plan folded into Megatron's permute: the routing map's columns split and reordered so
-    that Megatron's own (expert-major) permute emits the all-to-all's destination-major order.
-
-    Column ``(e, dst)`` holds the tokens of expert ``e`` that this rank sends to ``dst``: the
-    ``lo+1``-th to ``hi``-th of its routed tokens in token order (the split the plan's
-    ``send_counts`` make; all of them when the expert goes to one destination). Columns are
-    ordered by destination, then expert, so no row is gathered beyond stock EP's permute;
-    Megatron's unpermute with the same map restores the token order on combine. Only ``[columns]``
-    vectors cross from the host.
-    """
-
-    def __init__(self, rank_plan: RankPlan, device: torch.device) -> None:
-        send = rank_plan.send_counts  # [N, P]
-        expert, dst = np.nonzero(send.T)[::-1]  # non-empty (e, dst) chunks, destination-major
-        lo = (np.cumsum(send, axis=1) - send)[expert, dst]  # tokens of e before this chunk's first
-        host = np.stack([expert, lo, lo + send[expert, dst]]).astype(np.int32)  # token counts fit int32
-        packed = torch.from_numpy(host).to(device, non_blocking=True)  # one copy
-        self.expert, self.lo, self.hi = packed[0], packed[1:2].T, packed[2:3].T  # lo, hi: [columns, 1]
-
-    def apply(self, routing_map: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``[tokens, columns]`` routing map and probabilities for Megatron's permute.
-
-        Built column-major and returned as transposed views: Megatron's permute transposes both to
-        ``[columns, tokens]`` first, which is then free, and the running count is contiguous."""
-        columns = routing_map.T.index_select(0, self.expert)  # [columns, tokens]
-        position = torch.cumsum(columns, dim=1, dtype=torch.int32)  # 1-based index among e's tokens
-        columns &= (position > self.lo) ^ (position > self.hi)  # lo < position <= hi, as hi >= lo
-        return columns.T, probs.T.index_select(0, self.expert).T
-
-
-# Per-layer CUDA-graph regions that leave the MoE dispatch, experts and combine out of the graph.
-_GRAPHABLE_WITH_LLEP = {"attn", "mlp", "mamba"}
-
-
-def check_megatron_config(config: TransformerConfig, expert_tp_size: int) -> None:
-    """Reject Megatron settings LLEP does not implement, saying what to change."""
-    problems = []
-
-    def setting(name: str, default: Any = None) -> Any:  # fields that only some releases have
-        return getattr(config, name, default)
-
-    if config.moe_token_dispatcher_type != "alltoall":
-        problems.append(
-            f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: LLEP extends the 'alltoall' dispatcher"
-        )
-    if expert_tp_size != 1:
-        problems.append(f"expert_tensor_parallel_size={expert_tp_size}: LLEP needs expert tensor parallel size 1")
-    if config.moe_pad_expert_input_to_capacity:
-        problems.append("moe_pad_expert_input_to_capacity=True: LLEP is dropless and does not pad experts")
-    if config.moe_router_padding_for_quantization:
-        problems.append("moe_router_padding_for_quantization=True is not supported by LLEP")
-    if setting("delay_wgrad_compute", False):
-        problems.append("delay_wgrad_compute=True: borrowed experts' weight gradients must be returned in backward")
-    if setting("overlap_dispatch_backward_with_experts_wgrad", False):
-        problems.append(
-            "overlap_dispatch_backward_with_experts_wgrad=True: borrowed experts' weight gradients must be "
-            "returned in backward, not deferred to a side stream"
-        )
-    if setting("use_transformer_engine_op_fuser", False):
-        problems.append(
-            "use_transformer_engine_op_fuser=True: the fused TEGroupedMLP keeps its weights where borrowed "
-            "experts cannot be substituted; set it to False"
-        )
-    if setting("overlap_moe_expert_parallel_comm", False):
-        problems.append(
-            "overlap_moe_expert_parallel_comm=True: the combined 1F1B schedule splits the layer into nodes whose "
-            "inputs it detaches, so borrowed weights would not reach every rank's backward (collectives would hang)"
-        )
-    if setting("fp8") or setting("fp4"):
-        problems.append(
-            f"fp8={setting('fp8')!r} / fp4={setting('fp4')!r}: Transformer Engine caches each expert slot's "
-            "quantized weight per micro-batch and shares its scaling state, so borrowed experts in those slots "
-            "would silently run with the native experts' weights; train MoE layers in bf16 with LLEP"
-        )
-    if setting("moe_single_grouped_weight", False):
-        problems.append("moe_single_grouped_weight=True: LLEP sends experts one by one; set it to False")
-    if setting("moe_paged_stash", False):
-        problems.append("moe_paged_stash=True: LLEP's per-step expert layout is not paged; set it to False")
-    if setting("moe_latent_size"):
-        problems.append("moe_latent_size is set: LLEP's cost model and weight exchange assume experts of width hidden_size")
-    if setting("transformer_impl") == "inference_optimized":
-        problems.append(
-            "transformer_impl='inference_optimized' swaps in an inference dispatcher at forward time; "
-            "use 'local' or 'transformer_engine' with LLEP"
-        )
-    if config.cuda_graph_impl != "none":
-        modules = mcore.cuda_graph_modules(config)
-        if not modules or not set(modules) <= _GRAPHABLE_WITH_LLEP:
-            problems.append(
-                f"cuda_graph_impl={config.cuda_graph_impl!r} with capture regions {modules or 'whole layer'}: "
-                "LLEP's per-step plan changes shapes inside MoE layers; capture attention (and dense MLP) only"
-            )
-    if problems:
-        raise ValueError("LLEP cannot run with this Megatron config:\n  - " + "\n  - ".join(problems))
-
-
 @dataclass
 class _StepPlan:
     """One forward's plan and what this rank derived from it (kept for its recompute)."""
@@ -224,8 +67,8 @@ class _StepPlan:
     plan: LLEPPlan
     awaits_recompute: bool = False  # a no-grad forward whose recompute in backward reuses this step
     rank_plan: Optional[RankPlan] = None
-    send_columns: Optional[_SendColumns] = None
-    recv_perm: Optional[_RowPermutation] = None
+    send_columns: Optional[SendColumns] = None
+    recv_perm: Optional[RowPermutation] = None
     exchange: Optional[ExpertWeightExchange] = None
 
 
@@ -273,7 +116,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # forwards of this layer in this step whose backward is still to come (the same count on
         # every EP rank: the step's return of kept gradients waits until it is 0)
         self._in_flight = 0
-        # set when Megatron DDP wraps the layer (kept_weights._after_ddp_built): the step's return runs
+        # set when Megatron DDP wraps the layer (state._after_ddp_built): the step's return runs
         # behind the backward, and with overlapped grad reduce the native experts' buckets wait for it
         self.return_behind_backward = False
         self.deferred_grad_ready: Optional[DeferredGradReady] = None
@@ -370,8 +213,8 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if plan.is_plain_ep:
             return step
         step.rank_plan = plan.rank_view(self.ep_rank)
-        step.send_columns = _SendColumns(step.rank_plan, device)
-        step.recv_perm = _RowPermutation.recv_order(step.rank_plan, device)
+        step.send_columns = SendColumns(step.rank_plan, device)
+        step.recv_perm = RowPermutation.recv_order(step.rank_plan, device)
         kept = plan.transfer_kept
         kept_pairs = frozenset(zip(plan.transfer_expert[kept].tolist(), plan.transfer_helper[kept].tolist()))
         exchange = ExpertWeightExchange(self.weight_group, self.adapter, self.local_expert_indices[0], step.rank_plan,
@@ -379,14 +222,39 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         step.exchange = exchange if exchange.active else None
         return step
 
+    # ------------------------------------------------------------------ borrowed experts, for the layer
+    def borrowed_weight_calls(self) -> list[tuple[Callable[[torch.Tensor], tuple[torch.Tensor, list]], int]]:
+        """This step's borrowed experts on this rank, in slot order after the native ones, as calls
+        that hand out their weights with the number of experts each holds: the kept copies, then each
+        wave of copies once it has arrived. A call takes the native experts' output, chains it through
+        (its backward posts the borrowed weights' gradients) and returns it with the weights per expert."""
+        exchange = self.weight_exchange
+        if exchange is None:
+            return []
+        calls = [(exchange.finish_held, len(exchange.held))] if exchange.held else []
+        return calls + [(functools.partial(exchange.finish_wave, wave), len(exchange.wave_receives[wave]))
+                        for wave in exchange.waves]
+
+    def end_forward(self) -> None:
+        """The experts have run: drop the received weights when no backward and no recompute will use them."""
+        exchange = self.weight_exchange
+        if exchange is not None and not torch.is_grad_enabled() and not self.forward_awaits_recompute:
+            exchange.release_received()
+
     # ------------------------------------------------------------------ gradient return
     def attach_gradient_return(self, expert_input: torch.Tensor) -> torch.Tensor:
-        """Thread the experts' input through the node that ends this micro-batch's gradient
-        returns (:func:`~megatron_llep.weight_exchange.attach_gradient_return`), on every EP rank
-        alike whenever any LLEP layer keeps borrowed experts (any rank's, by the ledger: the step's
-        return may happen in, or move on at, this backward) or Megatron DDP overlaps grad reduce
-        (its expert buckets are let through here: kept_weights.DeferredGradReady), and wherever this
-        rank lends or borrows now."""
+        """Pass the experts' input through the node that ends this micro-batch's gradient returns.
+
+        Its backward runs once every expert on this rank, native and borrowed, has produced its input
+        gradient, and before the dispatch all-to-all's backward (which needs that gradient): it
+        completes the per-micro-batch returns of the weight exchange (copies that are not kept), then
+        the step's return of the kept ones when this backward ends the step (:meth:`_finish_kept_in_backward`).
+        The native parameters of the lent experts (sent or kept elsewhere) are inputs of the node, so
+        Megatron DDP's gradient hooks on them fire only after the returned gradients are in, and
+        without DDP their gradients come back through autograd. Made on every EP rank alike whenever
+        any LLEP layer keeps borrowed experts (any rank's, by the ledger: the step's return may happen
+        in, or move on at, this backward) or Megatron DDP overlaps grad reduce (its expert buckets are
+        let through here: kept_weights.DeferredGradReady), and wherever this rank lends or borrows now."""
         exchange = self.weight_exchange
         if not (torch.is_grad_enabled() and self.training):
             return expert_input  # no backward, or (activation recompute) the node comes with the recompute
@@ -402,8 +270,30 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         lent = set(exchange.sent_experts) if exchange is not None else set()
         if held is not None:
             lent |= {first + int(e) for e in np.nonzero(held[first : first + local].any(axis=1))[0]}
-        return attach_gradient_return(expert_input, self.adapter, first, exchange, sorted(lent),
-                                      self._finish_kept_in_backward)
+        lent_experts = sorted(lent)
+        tensors = [t for expert in lent_experts for t in self.adapter.expert_tensors(expert - first)]
+        return _ReturnBorrowedGradients.apply(expert_input, (self, exchange, lent_experts), *tensors)
+
+    def _returned_gradients(self, exchange: Optional[ExpertWeightExchange],
+                            lent_experts: list[int]) -> list[Optional[torch.Tensor]]:
+        """The gradient return node's backward: the gradient each lent expert's tensors get back
+        through autograd (``None`` where it went straight into ``main_grad``)."""
+        adapter, first = self.adapter, self.local_expert_indices[0]
+        per_expert = len(adapter.tensor_specs())
+        now = dict(zip(exchange.sent_experts, _chunks(exchange.return_gradients(), per_expert))) if exchange else {}
+        kept = self._finish_kept_in_backward()
+        grads: list[Optional[torch.Tensor]] = []
+        for expert in lent_experts:
+            params = adapter.expert_tensors(expert - first)
+            parts = now.get(expert, [None] * per_expert)
+            sums = kept.pop(expert - first, None)
+            for param, part, total in zip(params, parts, sums or [None] * per_expert):
+                if total is not None:
+                    part = total.to(param.dtype) if part is None else (part.float() + total).to(param.dtype)
+                grads.append(part)
+        for local_expert, sums in kept.items():  # kept elsewhere by a forward after this one: no autograd slot
+            add_to_param_grads(adapter, local_expert, sums)
+        return grads
 
     def _finish_kept_in_backward(self) -> dict[int, list[torch.Tensor]]:
         """At the end of a micro-batch's backward (on every EP rank alike): move the returns under
@@ -438,7 +328,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def flush_kept_gradients(self) -> None:
         """Return this layer's kept experts' gradients now, outside autograd (every EP rank calls
-        it at the same point: :func:`megatron_llep.kept_weights.finish_borrowed_gradients`)."""
+        it at the same point: :func:`megatron_llep.runtime.state.finish_borrowed_gradients`)."""
         add_returned_outside_autograd(self.adapter, self._flush_kept())
 
     @property
@@ -537,3 +427,23 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return mcore.all_to_all(
             self.ep_group, tokens, output_splits, input_splits, getattr(self, "use_nccl_stream", False)
         )
+
+
+class _ReturnBorrowedGradients(torch.autograd.Function):
+    """Identity on the experts' input; backward completes the gradient returns to the lent experts
+    (:meth:`LLEPTokenDispatcher.attach_gradient_return`)."""
+
+    @staticmethod
+    def forward(ctx, expert_input, state, *lent):
+        ctx.state = state
+        return expert_input.view_as(expert_input)
+
+    @staticmethod
+    def backward(ctx, grad_expert_input):
+        dispatcher, exchange, lent_experts = ctx.state
+        return (grad_expert_input, None, *dispatcher._returned_gradients(exchange, lent_experts))
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+

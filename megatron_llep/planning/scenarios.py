@@ -1,4 +1,4 @@
-"""Routing scenarios of the SPEC ("f into h experts") and forcing them onto a real Megatron router.
+"""Forced routing scenarios ("f into h experts"), a test and benchmark tool: never evidence.
 
 Scenario "f into h": a fraction ``f`` of tokens takes ``min(h, K)`` of the ``h`` hot experts
 (uniformly, distinct) into its top-K and fills the other slots uniformly from the remaining
@@ -12,10 +12,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
-
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 
 def _distinct_uniform(rng: np.random.Generator, rows: int, pool: np.ndarray, k: int) -> np.ndarray:
@@ -63,20 +59,3 @@ def imbalanced_topk(
     cold_pool = cold if cold.size >= topk else np.arange(num_experts)
     ids[~is_hot] = _distinct_uniform(rng, num_tokens - num_hot_tokens, cold_pool, topk)
     return ids
-
-
-def force_routing(router: TopKRouter, expert_ids: Optional[np.ndarray]) -> None:
-    """Make ``router``'s next forwards choose ``expert_ids`` (``[tokens, K]``); ``None`` clears it.
-
-    Uses Megatron's own RouterReplay (the router needs ``moe_enable_routing_replay=True``), so the
-    probabilities are the router's real scores gathered at the forced experts, with their gradients.
-    """
-    replay = router.router_replay
-    if replay is None:
-        raise ValueError("force_routing needs a router built with moe_enable_routing_replay=True")
-    replay.clear_indices()
-    if expert_ids is None:
-        replay.clear_router_replay_action()
-        return
-    replay.set_target_indices(torch.as_tensor(expert_ids, dtype=torch.long))
-    replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from megatron_llep.planner import LLEPPlan
+from megatron_llep.planning import LLEPPlan
 
 
 @dataclass(frozen=True)
@@ -311,6 +311,3 @@ class LLEPStatsTracker:
             return {}
         keys = dict.fromkeys(k for r in rows for k in r)
         return {k: merge_layer_statistic(k, [r[k] for r in rows if k in r]) for k in keys}
-
-
-STATS = LLEPStatsTracker()

@@ -32,8 +32,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_llep.config import LLEPConfig, LLEPConfigError
-from megatron_llep.cost_model import CostModel
-from megatron_llep.metrics import STATS, budget_phrase, merge_layer_statistic
+from megatron_llep.planning.cost_model import CostModel
+from megatron_llep.runtime.state import STATS
+from megatron_llep.runtime.statistics import budget_phrase, merge_layer_statistic
 
 LOG_PREFIX = "moe/layer_"
 """Writer keys are ``moe/layer_<n>/<statistic>`` (as recipes/dashboard.py's)."""
@@ -198,7 +199,7 @@ def check_llep_args(args: argparse.Namespace) -> None:
                          f"(got {args.moe_token_dispatcher_type})")
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_llep.dispatcher import check_megatron_config
+    from megatron_llep.runtime.megatron_checks import check_megatron_config
 
     expert_tp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     try:
@@ -231,7 +232,7 @@ def gpt_layer_spec(args: argparse.Namespace, config: Any, vp_stage: Optional[int
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
                                         normalization=args.normalization)
     if args.llep:
-        from megatron_llep.layer import with_llep
+        from megatron_llep.runtime.layer import with_llep
 
         spec = with_llep(spec, llep_config_from_args(args))
     return spec
@@ -247,7 +248,7 @@ def _mtp_block_spec(args: argparse.Namespace, config: Any, vp_stage: Optional[in
     layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te, normalization=args.normalization,
                                         qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
     if args.llep and args.num_experts:
-        from megatron_llep.layer import with_llep
+        from megatron_llep.runtime.layer import with_llep
 
         layer = with_llep(layer, llep_config_from_args(args))
     return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=use_te, vp_stage=vp_stage)
@@ -268,7 +269,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         # Megatron-LM sets no_sync_func only with --overlap-grad-reduce (then DDP's no_sync); without it
         # DDP's no_sync would change nothing, and marking a step's earlier micro-batches tells LLEP which
         # backward is the step's last, from where kept gradients return behind the layers below
-        from megatron_llep.kept_weights import accumulating_gradients
+        from megatron_llep.runtime.state import accumulating_gradients
 
         config.no_sync_func = accumulating_gradients
     model = GPTModel(
@@ -290,7 +291,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         pg_collection=pg_collection,
     )
     if args.llep_placement is not None:
-        from megatron_llep.placement import apply_placement
+        from megatron_llep.integrations.placement import apply_placement
 
         if torch.cuda.is_available():  # the experts move between ranks over NCCL
             model.cuda(torch.cuda.current_device())

@@ -1,0 +1,344 @@
+"""Least-Loaded Assignment with spilling (LLA/LLAS), and what turns its splits into a plan: the
+weight copy each spill needs (its source, wave, and whether the helper keeps it), the token chunks
+that carry the spilled rows, the plan. Pure numpy.
+
+Internally a set of splits is an ``[8, rows]`` array of *split rows*, one column per (slot,
+destination), a slot being one spilled expert of one candidate plan, with the fields below; the
+token chunks are a ``[5, chunks]`` array."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from megatron_llep.planning.plan import LLEPPlan
+
+if TYPE_CHECKING:  # the config holds a CostModel of this package: imported for annotations only
+    from megatron_llep.config import LLEPConfig
+
+# fields of a split row: its slot, the slot's expert, the destination and the tokens it computes
+# there; for a row that needs a new weight copy, the copy's wave, its source rank (-1: no copy),
+# whether the helper keeps it, and the row in which a relay source receives its own copy (-1: the
+# source already has the expert)
+SLOT, EXPERT, DST, TOKENS, WAVE, SOURCE, KEPT, SOURCE_ROW = range(8)
+# fields of a token chunk: tokens of an expert that a source rank sends a destination, and the slot
+CHUNK_EXPERT, CHUNK_SRC, CHUNK_DST, CHUNK_COUNT, CHUNK_SLOT = range(5)
+
+
+def least_loaded_assignment(
+    counts: np.ndarray,
+    loads: np.ndarray,
+    rank_loads_before: np.ndarray,
+    capacity: float,
+    config: LLEPConfig,
+    held: Optional[dict[int, tuple[int, ...]]] = None,
+) -> dict[int, list[tuple[int, int]]]:
+    """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank.
+
+    ``held[e]``: ranks that already keep a copy of ``e``; they are its first helpers (a spill there
+    moves no weights).
+
+    Plain Python ints on purpose: the loop is short and numpy's per-call overhead would dominate.
+    """
+    ep, num_experts = counts.shape
+    local = num_experts // ep
+    m = config.min_chunk_tokens
+    ranks_per_node = config.ranks_per_node or ep  # None: all ranks share one node
+    expert_loads = loads.tolist()
+    # effective[g]: tokens assigned to g so far plus its native experts' load not yet visited
+    effective = rank_loads_before.tolist()
+    # the row budget bounds every rank's load (capacity <= budget already): it caps the slack of the
+    # min-chunk rule and the overflow when all ranks are full, so a chunk may be smaller than m
+    budget = math.inf if config.max_tokens_per_rank is None else config.max_tokens_per_rank
+    slack_limit = min(capacity + m, budget)
+    splits: dict[int, list[tuple[int, int]]] = {}
+    floor = math.floor
+    one_node = ranks_per_node >= ep
+    node_of = [g // ranks_per_node for g in range(ep)]
+
+    def visit_keys(g: int) -> list[int]:
+        """Keys of rank g's loaded experts; ascending keys are descending loads, ties by id."""
+        return [-expert_loads[e] * num_experts + e for e in range(g * local, (g + 1) * local) if expert_loads[e] > 0]
+
+    # A rank whose effective load never exceeds the capacity keeps every native expert whole, so
+    # only the experts of ranks that are (or become) overloaded are visited, in load order.
+    overloaded = [load > capacity for load in effective]
+    to_visit = [key for g in range(ep) if overloaded[g] for key in visit_keys(g)]
+    heapq.heapify(to_visit)
+    # Ranks with room for one more token, in rank order: only they can be helpers (a chunk has at
+    # least one token). A rank's room only shrinks, except while its own expert is visited, which
+    # happens once it is overloaded and leaves it with under one token of room; so a rank that
+    # leaves this set never comes back.
+    open_ranks = dict.fromkeys([g for g in range(ep) if capacity - effective[g] >= 1])
+
+    while to_visit:
+        key = heapq.heappop(to_visit)
+        e = key % num_experts
+        load = expert_loads[e]
+        n = e // local
+        effective[n] -= load
+        room = floor(capacity - effective[n])
+        keep = load if room >= load else (room if room > 0 else 0)
+        if keep == load or (load - keep < m and effective[n] + load <= slack_limit):
+            effective[n] += load
+            continue
+
+        parts: dict[int, int] = {}
+        remaining = load
+        if keep:
+            parts[n] = keep
+            effective[n] += keep
+            remaining -= keep
+        # Helpers in ascending effective load, native node first. A helper's load only grows when
+        # this expert fills it, so the order holds for the whole expert and one pass suffices.
+        candidates = sorted(open_ranks, key=effective.__getitem__)
+        if not one_node:
+            home = node_of[n]
+            candidates = [g for g in candidates if node_of[g] == home] + [
+                g for g in candidates if node_of[g] != home
+            ]
+        holders = held.get(e) if held else None
+        if holders:
+            near = {node_of[g] for g in holders} | {node_of[n]}
+            candidates = ([g for g in candidates if g in holders]
+                          + [g for g in candidates if g not in holders and node_of[g] in near]
+                          + [g for g in candidates if node_of[g] not in near])
+        num = len(candidates)
+        cursor = 0
+        while remaining > 0:
+            need = (remaining if remaining < m else m) if m > 0 else 1
+            if need < m:
+                cursor = 0  # a smaller final piece may fit ranks skipped for lack of room
+            while cursor < num and capacity - effective[candidates[cursor]] < need:
+                cursor += 1
+            if cursor < num:
+                helper = candidates[cursor]
+                room = floor(capacity - effective[helper])
+                take = remaining if remaining < room else room
+            else:
+                # Nobody has room for a worthwhile chunk: the least-loaded rank takes up to cap + m
+                # (at least one token, so integer rounding cannot stall); past that, everything, up
+                # to the budget. Under a budget the least-loaded rank is below it while tokens
+                # remain (the loads sum to the tokens assigned, < P x budget), so it takes >= 1.
+                helper = min(range(ep), key=effective.__getitem__)
+                slack = slack_limit - effective[helper]
+                take = min(remaining, max(math.ceil(slack), 1)) if slack > 0 else min(remaining, budget - effective[helper])
+            parts[helper] = parts.get(helper, 0) + take
+            effective[helper] += take
+            if capacity - effective[helper] < 1:
+                open_ranks.pop(helper, None)
+                if effective[helper] > capacity and not overloaded[helper]:
+                    overloaded[helper] = True
+                    for later in visit_keys(helper):
+                        if later > key:
+                            heapq.heappush(to_visit, later)
+            remaining -= take
+            if 0 < remaining < m and effective[n] + remaining <= slack_limit:
+                parts[n] = parts.get(n, 0) + remaining
+                effective[n] += remaining
+                remaining = 0
+        if len(parts) > 1 or n not in parts:
+            splits[e] = sorted(parts.items())
+    return splits
+
+
+@dataclass(frozen=True)
+class CopyRules:
+    """What decides a plan's weight copies besides its splits: ``held[e]``, the ranks that already
+    keep expert ``e`` (ascending); ``keep_room[p]``, how many more copies rank ``p`` may keep
+    (``None``: no bound); ``relay``, whether copies are relayed inside nodes of ``ranks_per_node``."""
+
+    held: dict[int, tuple[int, ...]]
+    keep_room: Optional[list[int]]
+    relay: bool
+    ranks_per_node: int
+
+    @classmethod
+    def of(cls, held: Optional[np.ndarray], keep_room: Optional[np.ndarray], config: LLEPConfig, ep: int,
+           local: int) -> "CopyRules":
+        holders: dict[int, tuple[int, ...]] = {}
+        if held is not None:
+            held = np.asarray(held)
+            if held.shape != (ep * local, ep) or held.dtype != bool:
+                raise ValueError(f"plan_llep: held must be a bool [num_experts, ep_size] = [{ep * local}, {ep}] "
+                                 f"array, got {held.dtype} {held.shape}")
+            experts, ranks = np.nonzero(held)
+            if (ranks == experts // local).any():
+                raise ValueError("plan_llep: held marks an expert as a kept copy at its own native rank; "
+                                 "held[e, p] must be False where rank p owns expert e")
+            for e, p in zip(experts.tolist(), ranks.tolist()):
+                holders[e] = holders.get(e, ()) + (p,)
+        room = None
+        if keep_room is not None:
+            room = np.asarray(keep_room)
+            if room.shape != (ep,) or room.dtype.kind not in "iu" or (room < 0).any():
+                raise ValueError(f"plan_llep: keep_room must be {ep} non-negative integers (copies each rank may "
+                                 f"still keep), got {room.dtype} {room.shape}")
+            room = room.tolist()
+        return cls(holders, room, config.relay_within_node, config.ranks_per_node or ep)
+
+
+def split_rows(
+    candidates: list[dict[int, list[tuple[int, int]]]], num_local_experts: int, rules: CopyRules
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The split rows (``[8, rows]``, fields :data:`SLOT` ... :data:`SOURCE_ROW`) of one or more
+    plans' splits, each slot's expert and each slot's plan. A slot is one spilled expert of one
+    plan; slots count up across the plans, and within a plan follow ascending expert ids,
+    destinations ascending within a slot. A row whose destination needs a new weight copy (a
+    helper that does not hold the expert) has its ``source`` (else -1), ``wave`` (else 0) and
+    ``kept`` flag (:func:`mark_copies`); ``source row`` is the row in which a relay source receives
+    its own copy (-1: the source already has the expert)."""
+    rows, experts, owners = [], [], []
+    for k, splits in enumerate(candidates):
+        copy_rows = []
+        for e in sorted(splits):
+            native = e // num_local_experts
+            holders = rules.held.get(e, ())
+            for d, t in splits[e]:
+                if d != native and d not in holders:
+                    copy_rows.append(len(rows))
+                rows.append([len(owners), e, d, t, 0, -1, 0, -1])
+            experts.append(e)
+            owners.append(k)
+        mark_copies(rows, copy_rows, num_local_experts, rules)
+    rows = np.fromiter(itertools.chain.from_iterable(rows), np.int64, 8 * len(rows)).reshape(-1, 8).T
+    return rows, np.array(experts, np.int64), np.array(owners, np.int64)
+
+
+def mark_copies(rows: list[list[int]], copy_rows: list[int], local: int, rules: CopyRules) -> None:
+    """Fill in source, wave, kept flag and source row of one plan's new copies (``rows[i]`` for
+    ``i`` in ``copy_rows``, in expert order), in place.
+
+    Kept: in ascending (wave, expert, helper) order, with the waves every copy would have coming
+    from its native rank, while the helper has ``keep_room``. Source, with relays: for an expert
+    and a node other than its native rank's, the lowest rank there that holds it sends every new
+    copy on that node; failing that, the lowest helper there whose copy is kept receives it from
+    the native rank and sends the others (transient copies are never sources); everything else
+    comes from the native rank. Waves: :func:`copy_waves` per (source, helper); a relayed copy
+    travels at least one wave after its relay's own copy.
+    """
+    def number_waves() -> None:
+        depth: dict[tuple[int, int], int] = {}
+        for i in copy_rows:
+            key = (rows[i][SOURCE], rows[i][DST])
+            d = depth.get(key, 0)
+            depth[key] = d + 1
+            rows[i][WAVE] = d.bit_length()
+
+    for i in copy_rows:
+        rows[i][SOURCE] = rows[i][EXPERT] // local
+    number_waves()
+    if rules.keep_room is None:
+        for i in copy_rows:
+            rows[i][KEPT] = 1
+    else:
+        room = list(rules.keep_room)  # each candidate plan starts afresh
+        for i in sorted(copy_rows, key=lambda i: (rows[i][WAVE], rows[i][EXPERT], rows[i][DST])):
+            if room[rows[i][DST]] > 0:
+                room[rows[i][DST]] -= 1
+                rows[i][KEPT] = 1
+    if not rules.relay:
+        return
+    per_node = rules.ranks_per_node
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in copy_rows:
+        e, d = rows[i][EXPERT], rows[i][DST]
+        if d // per_node != (e // local) // per_node:
+            groups.setdefault((e, d // per_node), []).append(i)
+    relayed = False
+    for (e, node), members in groups.items():
+        holders = [g for g in rules.held.get(e, ()) if g // per_node == node]
+        if holders:
+            source, source_row = holders[0], -1
+        else:
+            kept = [i for i in members if rows[i][KEPT]]
+            if not kept:
+                continue
+            source_row = kept[0]
+            source = rows[source_row][DST]
+        for i in members:
+            if i != source_row:
+                rows[i][SOURCE], rows[i][SOURCE_ROW] = source, source_row
+                relayed = True
+    if relayed:
+        number_waves()
+        for i in copy_rows:
+            if rows[i][SOURCE_ROW] >= 0:
+                rows[i][WAVE] = max(rows[i][WAVE], rows[rows[i][SOURCE_ROW]][WAVE] + 1)
+
+
+def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """Decide which source sends how many tokens of each spilled expert to each destination.
+
+    ``splits`` is ``[8, rows]`` from :func:`split_rows` (slot, expert, destination, tokens, ...): how
+    many tokens each destination computes; ``experts[slot]`` is the slot's expert. Returns
+    ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own
+    routed tokens; the rest of every slot's supply is matched to the rest of its demand in rank
+    order (north-west corner) — all slots at once, since the running sums of supply and demand
+    meet at every slot boundary. Ranks are numbered node by node, so this keeps traffic inside
+    nodes where it can.
+    """
+    slot, split_expert, split_dst, split_tokens = splits[SLOT:WAVE]
+    ep = counts.shape[0]
+    supply = counts.T[experts]  # [slots, src], a copy
+    own = np.minimum(supply[slot, split_dst], split_tokens)
+    supply[slot, split_dst] -= own
+    need = split_tokens - own
+    stays = np.array([split_expert, split_dst, split_dst, own, slot])[:, own > 0]
+    supply = supply.ravel()
+    sources = supply.nonzero()[0]  # slot * ep + src
+    if not sources.size:
+        return stays
+    supply_end = supply[sources].cumsum()
+    open_rows = need > 0
+    demand_end = need[open_rows].cumsum()
+    ends = np.concatenate([supply_end, demand_end])
+    ends.sort(kind="stable")  # two sorted runs: a linear merge
+    ends = ends[np.concatenate([[True], ends[1:] != ends[:-1]])]  # both sums increase strictly
+    starts = np.concatenate([[0], ends[:-1]])
+    source = sources[supply_end.searchsorted(starts, "right")]
+    destination = split_dst[open_rows][demand_end.searchsorted(starts, "right")]
+    moves = np.array([experts[source // ep], source % ep, destination, ends - starts, source // ep])
+    return np.concatenate([stays, moves], axis=1)
+
+
+def build_plan(
+    counts: np.ndarray,
+    loads: np.ndarray,
+    local: int,
+    capacity: float,
+    before: np.ndarray,
+    rows: np.ndarray,
+    spilled: np.ndarray,
+    chunks: np.ndarray,
+) -> LLEPPlan:
+    split_expert, split_dst, split_tokens, split_wave, split_source, split_kept = rows[EXPERT:SOURCE_ROW]
+    native = split_expert // local
+    after = before.copy()
+    np.subtract.at(after, spilled // local, loads[spilled])
+    np.add.at(after, split_dst, split_tokens)
+    copy = split_source >= 0
+    return LLEPPlan(
+        counts=counts,
+        num_local_experts=local,
+        capacity=capacity,
+        rank_loads_before=before,
+        rank_loads_after=after,
+        fallback=False,
+        spilled_experts=spilled,
+        chunk_expert=chunks[CHUNK_EXPERT],
+        chunk_src=chunks[CHUNK_SRC],
+        chunk_dst=chunks[CHUNK_DST],
+        chunk_count=chunks[CHUNK_COUNT],
+        transfer_expert=split_expert[copy],
+        transfer_native=native[copy],
+        transfer_helper=split_dst[copy],
+        transfer_wave=split_wave[copy],
+        transfer_source=split_source[copy],
+        transfer_kept=split_kept[copy].astype(bool),
+    )
