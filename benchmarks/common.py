@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: SPEC layer shapes, imbalance scenarios, result output."""
+"""Shared pieces of the benchmarks: the published layer shapes, imbalance scenarios, result output."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class LayerShape:
         )
 
 
-# SPEC section 1: layer shapes and the paper's tokens per GPU.
+# gpt-oss-120b, DeepSeek-V3 and Kimi-K2 MoE layer shapes, and the LLEP paper's tokens per GPU.
 GPT_OSS_120B = LayerShape("gpt-oss-120b", 128, 2880, 2880, 4, 32768, bias=True)
 DEEPSEEK_V3 = LayerShape("deepseek-v3", 256, 7168, 2048, 8, 16384)
 KIMI_K2 = LayerShape(

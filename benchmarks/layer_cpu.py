@@ -1,5 +1,5 @@
 """Real multi-process MoE layer benchmark on CPU: Megatron's stock alltoall dispatcher (plain EP) and
-LLEP side by side in the same gloo run, P = 2, SPEC shapes scaled to fit two cores.
+LLEP side by side in the same gloo run, P = 2, the published layer shapes scaled to fit two cores.
 
     python benchmarks/layer_cpu.py [--quick] [--shape deepseek-v3] [--out results/layer_cpu.json]
 

@@ -6,7 +6,7 @@
         --out results/memory_grid_p8.json                                # the paper's grid at P = 8
     python benchmarks/memory_account.py --max-kept-weight-bytes 0       # borrowed copies not kept for the step
 
-On ``--ep`` gloo ranks (default 2; shapes of benchmarks/layer_cpu.py: the SPEC's layers with widths
+On ``--ep`` gloo ranks (default 2; shapes of benchmarks/layer_cpu.py: the published layers with widths
 / 8, tokens / 16 and N = the paper's experts per rank x P; forced routing, 95 % of tokens into h
 experts, the hot experts on rank 0), each rank runs one forward+backward of each layer inside
 :class:`megatron_llep.testing.memory.LiveTensors`, which records every tensor storage an operator
@@ -16,7 +16,7 @@ creation site next to those at the balanced run's peak. Deterministic (no alloca
 it can be compared between commits to the byte. Per shape and scenario a summary row gives the
 largest peak over ranks of each layer (the per-rank peak the paper plots) and EP / LLEP of those.
 
-The target of issue 26: LLEP's peak <= 1.10 x (balanced peak + borrowed weights + their gradients),
+The target: LLEP's peak <= 1.10 x (balanced peak + borrowed weights + their gradients),
 on every rank. The plan uses ``CostModel.cpu()`` (layer_cpu.py calibrates on the machine; at 95 %
 both spill to max/mean 1.00). ``--budget-margin F`` also sets ``LLEPConfig.max_tokens_per_rank``
 to the balanced run's rows per rank x (1 + F), so LLEP spills even where max/mean stays below lambda.
@@ -33,11 +33,11 @@ from common import FULL_SHAPES, LayerShape, Scenario, print_table, write_results
 
 import layer_cpu
 
-PAPER_EP_OVER_LLEP_PEAK = "up to ~4-5x (8x H200, SPEC section 1: EP's peak grows with imbalance, LLEP's stays flat)"
+PAPER_EP_OVER_LLEP_PEAK = "up to ~4-5x (8x H200, the LLEP paper: EP's peak grows with imbalance, LLEP's stays flat)"
 
 
 def cpu_shape(name: str, ep: int, tokens: int = 0, hidden: int = 0) -> LayerShape:
-    """The SPEC layer ``name`` at layer_cpu.py's scale, with the paper's experts per rank at ``ep`` ranks."""
+    """The published layer ``name`` at layer_cpu.py's scale, with the paper's experts per rank at ``ep`` ranks."""
     from dataclasses import replace
 
     full = next(s for s in FULL_SHAPES if s.name == name)

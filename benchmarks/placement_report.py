@@ -6,7 +6,7 @@ lambda-selected) vs CAP + LLEP, on held-out routing-trace tokens.
 
 Traces are synthetic (:func:`megatron_llep.placement.trace.synthetic_trace`): experts in planted
 co-activation clusters (a pick lies in the token's cluster with probability q) with load skew, at
-SPEC layer shapes. Every method is fit on the first half of the tokens and evaluated on the other
+published layer shapes. Every method is fit on the first half of the tokens and evaluated on the other
 half: average distinct devices per token, C(pi) (on the held-out co-activation), max/mean GPU load.
 EPLB gets one extra expert slot per GPU (``--redundant``); a token uses a replica on a device it
 already visits, else the least-loaded one. "+LLEP" runs :func:`megatron_llep.planning.planner.plan_llep` on

@@ -1,4 +1,4 @@
-"""Plan-level model of the SPEC layer experiment at full shapes, P = 8..64 (no GPU needed).
+"""Plan-level model of the LLEP paper's layer experiment at full shapes, P = 8..64 (no GPU needed).
 
 For every layer shape (gpt-oss-120b, DeepSeek-V3, Kimi-K2), EP size and scenario it samples the
 routed-token counts, plans plain EP, the plain least-loaded plan (``cost_aware=False``) and LLEP
@@ -233,7 +233,7 @@ def run(eps: list[int], scenarios: tuple, seed: int, repeats: int, config: LLEPC
     return rows
 
 
-# Step-level model (issue 25): micro-batches per optimizer step, EP sizes, and the two ways of
+# Step-level model: micro-batches per optimizer step, EP sizes, and the two ways of
 # handling borrowed weights: BEFORE copies them afresh every micro-batch (and returns their gradients
 # in its backward), AFTER keeps them for the step and relays them inside nodes (LLEPConfig defaults).
 MICRO_BATCHES = (1, 4, 8)
@@ -271,8 +271,7 @@ def step_gradient_return(held: np.ndarray, shape: LayerShape, model: CostModel, 
     return seconds, crossing
 
 
-# MoE layers of the whole model: gpt-oss-120b 36 layers (SPEC); DeepSeek-V3 61, the first 3 dense
-# (SPEC); Kimi-K2 61, the first one dense (its config.json: first_k_dense_replace = 1).
+# MoE layers of the whole model: gpt-oss-120b 36 layers; DeepSeek-V3 61, the first 3 dense; Kimi-K2 61, the first one dense (its config.json: first_k_dense_replace = 1).
 MOE_LAYERS = {"gpt-oss-120b": 36, "deepseek-v3": 58, "kimi-k2": 60}
 
 

@@ -3,7 +3,7 @@
     python benchmarks/real_routing.py [--traces DIR] [--out results/real_routing.json]
         [--plot docs/img/real_routing.png] [--smoke]
 
-Every other figure in docs/ rests on forced "f into h" routing, which overstates skew (SPEC
+Every other figure in docs/ rests on forced "f into h" routing, which overstates skew (
 section 2). This benchmark reads the routing traces of the model trained here
 (``recipes/routing_traces.py``: ``<model>_<domain>.npz``, tokens in their original order,
 sequences of 256 tokens back to back) and computes, without a GPU or a process group:

@@ -31,7 +31,7 @@ def _finite_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class RoutingPruning:
-    """Inference-only, lossy pruning of each token's routing before dispatch (SPEC section 2, CAP).
+    """Inference-only, lossy pruning of each token's routing before dispatch (CAP; docs/design.md).
 
     Attributes:
         p: fraction of a token's routing-score mass that may be dropped, ``0 <= p < 1``.
@@ -60,7 +60,7 @@ class RoutingPruning:
 
 @dataclass(frozen=True)
 class LLEPConfig:
-    """Knobs of Least-Loaded Expert Parallelism (see SPEC section 1).
+    """Knobs of Least-Loaded Expert Parallelism (docs/design.md).
 
     Attributes:
         alpha: rank capacity as a multiple of the mean rank load, ``m_alpha = alpha * sum(l) / P``.

@@ -1,5 +1,5 @@
 """Model recipes: Megatron-Core TransformerConfigs for gpt-oss-20b/120b and DeepSeek-V3 with the
-exact values of SPEC section 4 (every field set explicitly), tiny variants of the same
+exact values of the published configurations (every field set explicitly), tiny variants of the same
 architectures for CPU, and the Kimi-K2 MoE-layer shape.
 
 A :class:`Recipe` bundles the config with what ``GPTModel`` needs besides it (vocabulary, position
@@ -140,7 +140,7 @@ GPT_OSS_SIZES: dict[str, dict] = {
                  max_sequence_length=512),
 }
 
-# gpt-oss's values of the architecture fields a Hugging Face config.json may also set (SPEC section 4).
+# gpt-oss's values of the architecture fields a Hugging Face config.json may also set (the published configurations).
 # ``sliding_window`` counts the attended positions including the query's own (Hugging Face's meaning:
 # Megatron's window_size is (sliding_window - 1, 0)); ``sliding_layers`` lists per layer whether it
 # slides (None: every other layer starting with the first, Hugging Face's default layer_types).
@@ -265,7 +265,7 @@ DEEPSEEK_V3_SIZES: dict[str, dict] = {
                  max_sequence_length=512),
 }
 
-# DeepSeek-V3's values of the fields a Hugging Face config.json may also set (SPEC section 4)
+# DeepSeek-V3's values of the fields a Hugging Face config.json may also set (the published configurations)
 DEEPSEEK_V3_ARCHITECTURE: dict = dict(
     layernorm_epsilon=1e-6, moe_router_topk_scaling_factor=2.5, rope_type="yarn", rotary_base=10000,
     rotary_scaling_factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,

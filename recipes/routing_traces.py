@@ -1,6 +1,6 @@
 """The routing traces shipped with the project: real top-K routing of the MoE model trained here.
 
-Every figure that should rest on a model's real routing (SPEC section 2: synthetic routing
+Every figure that should rest on a model's real routing (synthetic routing
 overstates skew) reads its traces through this module, so the file layout lives in one place::
 
     recipes/data/routing_traces/<model>_<domain>.npz     a RoutingTrace (megatron_llep.placement.trace)

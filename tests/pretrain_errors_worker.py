@@ -2,7 +2,7 @@
 ``main`` once per case, one after another in this process (Megatron-LM is imported once), with Megatron-LM's
 global state destroyed in between.
 
-Usage: ``pretrain_errors_worker.py OUT_DIR SPEC.json``; the spec is ``{"cases": {name: argv}}``. For each case
+Usage: ``pretrain_errors_worker.py OUT_DIR CASES.json``; the spec is ``{"cases": {name: argv}}``. For each case
 and rank, ``OUT_DIR/<name>.rank<r>.json`` records the exit status, the captured stdout and stderr (file
 descriptors 1 and 2: Megatron-LM's logging included), and whether the rank stopped where it waits for rank
 0's report: the launcher ends it there once rank 0 exits, so it is stopped there (after a marker line).

@@ -3,7 +3,7 @@ recipes/pretrain_gpt.py's ``main`` (Megatron-LM's ``pretrain``) in one process, 
 with Megatron-LM's global state destroyed in between (as its in-process restart does), so the
 libraries are imported once.
 
-Usage: ``pretrain_worker.py OUT_DIR SPEC.json``. The spec lists indexed datasets to build first
+Usage: ``pretrain_worker.py OUT_DIR CASES.json``. The spec lists indexed datasets to build first
 (``{"datasets": [[input, output_prefix], ...]}``, with recipes/make_indexed_dataset.py, on rank 0;
 what was written goes to ``OUT_DIR/datasets.json``) and runs (``"runs": [{"name", "argv",
 "broken"}]``; ``broken``: a key of :data:`BROKEN_MAPPINGS`, a negative control). On the last rank, every value Megatron-LM writes to its TensorBoard writer (its own

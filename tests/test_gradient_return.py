@@ -1,4 +1,4 @@
-"""The once-per-step return of kept copies' gradients (issue 25): the phases
+"""The once-per-step return of kept copies' gradients: the phases
 (:func:`megatron_llep.planning.gradient_return.gradient_return_phases`) and the runtime that posts them
 (:meth:`megatron_llep.runtime.kept_weights.KeptLedger.flush_layer`), against the plain sum of every
 helper's gradient at each native rank, in float64."""

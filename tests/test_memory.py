@@ -1,7 +1,7 @@
 """LLEP's peak memory, pinned by live tensor bytes (deterministic, not the resident set): at 95 %
 into the experts of one rank, after LLEP has spilled to max/mean 1.00, each rank's peak of live
 tensor bytes over a forward+backward is at most the balanced run's (plain EP on balanced routing)
-plus the borrowed weights and their gradients, plus 3 % slack (issue 26). A negative control keeps
+plus the borrowed weights and their gradients, plus 3 % slack. A negative control keeps
 one extra copy of the expert outputs alive: the accounting must see it and the bound must fail.
 With 95 % into one expert the rank loads stay below lambda: under ``max_tokens_per_rank`` (the
 balanced rows + 5 %) LLEP spills anyway and keeps the bound, which stock EP on that routing (its

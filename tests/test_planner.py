@@ -1,4 +1,4 @@
-"""The LLEP planner against its contract (SPEC section 1, step 3), with no process group."""
+"""The LLEP planner against its contract (docs/design.md), with no process group."""
 
 import math
 import os
@@ -358,7 +358,7 @@ def _assert_never_slower(counts, layer, ep, model=None, **config):
 @pytest.mark.parametrize("ep", [8, 16, 32, 64])
 @pytest.mark.parametrize("layer", FULL_SHAPES, ids=lambda layer: layer.name)
 def test_cost_aware_plan_is_never_predicted_slower_on_the_plan_model_grid(layer, ep):
-    """Every scenario of benchmarks/plan_model.py at the SPEC layer shapes, P = 8 .. 64, with
+    """Every scenario of benchmarks/plan_model.py at the published layer shapes, P = 8 .. 64, with
     copies relayed inside nodes (the default) and without."""
     ratios = []
     for scenario in SCENARIOS:

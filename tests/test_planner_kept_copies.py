@@ -1,4 +1,4 @@
-"""Issue 25's planner features, with no process group: helpers that already keep a borrowed expert
+"""The planner's kept-copy features, with no process group: helpers that already keep a borrowed expert
 for the step (``held``), a bound on how many more copies each rank keeps (``keep_room``) and
 copies relayed inside nodes (``LLEPConfig.relay_within_node``)."""
 
@@ -22,9 +22,9 @@ import plan_model  # noqa: E402  (its rank-by-rank layer-time prediction is the 
 from common import FULL_SHAPES, SCENARIOS, sample_counts  # noqa: E402
 from test_planner import assignment as computed_here  # noqa: E402  (tokens[e, rank] computed where)
 
-# The planner before issue 25 (held, keep_room and relays did not exist): with them off, plans must
+# The planner before kept copies existed (held, keep_room and relays did not exist): with them off, plans must
 # be what it made.
-BEFORE_ISSUE_25 = "3816b4dcaed34aee28c5e5191d77a90af111057e"
+BEFORE_KEPT_COPIES = "3816b4dcaed34aee28c5e5191d77a90af111057e"
 SHAPE = ExpertShape(hidden_size=64, ffn_hidden_size=64, bias=True)
 NO_COST = dict(cost_aware=False)
 
@@ -119,27 +119,27 @@ def test_rank_views_match_sends_receives_and_slots(inputs):
             np.testing.assert_array_equal(views[src].send_counts[:, dst], views[dst].recv_counts[src])
 
 
-def _planner_before_issue_25():
-    """The planner module as of BEFORE_ISSUE_25 (None where git or that commit is not at hand)."""
+def _planner_before_kept_copies():
+    """The planner module as of BEFORE_KEPT_COPIES (None where git or that commit is not at hand)."""
     try:
-        source = subprocess.run(["git", "show", f"{BEFORE_ISSUE_25}:megatron_llep/planner.py"], cwd=ROOT,
+        source = subprocess.run(["git", "show", f"{BEFORE_KEPT_COPIES}:megatron_llep/planner.py"], cwd=ROOT,
                                 capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     source = source.replace("from megatron_llep.cost_model import", "from megatron_llep.planning.cost_model import")
-    spec = importlib.util.spec_from_loader("planner_before_issue_25", loader=None)
+    spec = importlib.util.spec_from_loader("planner_before_kept_copies", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
-    exec(compile(source, "planner_before_issue_25.py", "exec"), module.__dict__)
+    exec(compile(source, "planner_before_kept_copies.py", "exec"), module.__dict__)
     return module
 
 
-OLD_PLANNER = _planner_before_issue_25()
+OLD_PLANNER = _planner_before_kept_copies()
 PLAN_ARRAYS = ("spilled_experts", "chunk_expert", "chunk_src", "chunk_dst", "chunk_count", "transfer_expert",
                "transfer_native", "transfer_helper", "transfer_wave", "rank_loads_after")
 
 
-@pytest.mark.skipif(OLD_PLANNER is None, reason=f"needs git and commit {BEFORE_ISSUE_25[:7]}")
+@pytest.mark.skipif(OLD_PLANNER is None, reason=f"needs git and commit {BEFORE_KEPT_COPIES[:7]}")
 @settings(max_examples=300, deadline=None)
 @given(planning_inputs())
 def test_without_held_room_or_relays_plans_are_those_of_before(inputs):
@@ -163,7 +163,7 @@ def test_without_held_room_or_relays_plans_are_those_of_before(inputs):
         np.testing.assert_array_equal(a.slot_experts, b.slot_experts)
 
 
-@pytest.mark.skipif(OLD_PLANNER is None, reason=f"needs git and commit {BEFORE_ISSUE_25[:7]}")
+@pytest.mark.skipif(OLD_PLANNER is None, reason=f"needs git and commit {BEFORE_KEPT_COPIES[:7]}")
 def test_regression_check_catches_relays():
     """Negative control: with relays on, a multi-node plan differs from the old planner's."""
     layer, ep = FULL_SHAPES[1], 64
@@ -256,7 +256,7 @@ def plan_model_time(plan, model):
 
 @pytest.mark.parametrize("ep", [16, 64])
 def test_held_and_relayed_plans_priced_like_the_rank_by_rank_model(ep):
-    """At the SPEC shapes across nodes, a micro-batch after one that kept copies: LayerTimeModel
+    """At the published layer shapes across nodes, a micro-batch after one that kept copies: LayerTimeModel
     agrees with plan_model.predict, and the plan needs fewer new copies than one made with nothing
     held."""
     layer = FULL_SHAPES[1]

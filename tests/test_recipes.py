@@ -1,4 +1,4 @@
-"""Model recipes carry SPEC section 4's exact values (typed here from the spec, not read back from
+"""Model recipes carry the published configurations' exact values (typed here from them, not read back from
 the recipe code), and the tiny variants keep their architecture."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The "f into h experts" routing scenarios of the SPEC."""
+"""The "f into h experts" routing scenarios."""
 
 import numpy as np
 import pytest

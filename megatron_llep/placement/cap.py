@@ -3,7 +3,7 @@
 Stage 1 partitions the experts into P GPU groups of M: the P experts of highest weighted degree
 (``sum_j p_ij``) seed the groups, which then grow round-robin, each taking the unassigned expert of
 highest cumulative co-activation to the group. Stage 2 partitions the GPUs into nodes the same way
-on the GPU-level co-activation. Two additions make this robust: the SPEC's seeds may fall into one
+on the GPU-level co-activation. Two additions make this robust: the paper's seeds may fall into one
 co-activation cluster, so each stage also grows from *spread* seeds (each next seed the expert least
 co-activated with the seeds so far) and keeps the lower cut; and after each greedy stage, and
 finally on the expert level with the real distances (0 / 1 / c), Kernighan-Lin swap passes between
@@ -131,7 +131,7 @@ def _units(num_experts: int, ep_size: int, routing_groups: int) -> _Units:
 
 
 def _seeds(affinity: np.ndarray, num_groups: int, spread: bool) -> np.ndarray:
-    """The SPEC's seeds, the ``num_groups`` items of highest weighted degree; or, ``spread``, the
+    """The paper's seeds, the ``num_groups`` items of highest weighted degree; or, ``spread``, the
     highest-degree item and then each time the item least co-activated with the seeds so far
     (ties by degree), which lands every seed in a different co-activation cluster."""
     order = np.argsort(-affinity.sum(axis=1), kind="stable")
@@ -168,7 +168,7 @@ def _greedy_groups(affinity: np.ndarray, seeds: np.ndarray, capacity: int) -> np
 
 
 def _partition(affinity: np.ndarray, num_groups: int, capacity: int) -> np.ndarray:
-    """One greedy stage: grow from both seed sets, refine each, keep the lower cut (ties: SPEC's)."""
+    """One greedy stage: grow from both seed sets, refine each, keep the lower cut (ties: the paper's)."""
     dist = 1.0 - np.eye(num_groups)
     block = np.zeros(affinity.shape[0], np.int64)
     candidates = [
