@@ -61,13 +61,10 @@ def test_gemm_time_grows_and_small_gemms_are_less_efficient():
     assert model.gemm_time(0, GPT_OSS_120B) == 0.0
 
 
-def test_spill_time_grows_with_weights_and_node_crossing():
+def test_link_time_is_latency_plus_bytes_over_bandwidth_and_crossing_nodes_is_slower():
     model = CostModel()
-    # weights already there (second chunk to the same helper): cheaper
-    assert model.spill_time(100, GPT_OSS_120B, False, False) < model.spill_time(100, GPT_OSS_120B, False, True)
-    # crossing nodes is slower
-    assert model.spill_time(100, GPT_OSS_120B, True, True) > model.spill_time(100, GPT_OSS_120B, False, True)
     assert model.link_time(0, True) == 0.0 and model.link_time(1, False) == model.link_latency_s + 1 / 400e9
+    assert model.link_time(10**6, True) > model.link_time(10**6, False)
 
 
 def test_training_prices_backward_too():

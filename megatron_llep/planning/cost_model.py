@@ -120,18 +120,6 @@ class CostModel:
         gbps = self.inter_node_gbps if inter_node else self.intra_node_gbps
         return self.link_latency_s + num_bytes / (gbps * 1e9)
 
-    def _spill_bytes(self, moved_tokens: int, shape: ExpertShape, needs_weights: bool) -> float:
-        """Tokens there and back (twice when training: activations and their gradients), plus the
-        weights (and their gradients) when the helper does not hold them yet."""
-        direction = 2 if self.training else 1
-        weights = shape.weight_bytes * direction if needs_weights else 0
-        return 2 * moved_tokens * shape.token_bytes * direction + weights
-
-    def spill_time(self, moved_tokens: int, shape: ExpertShape, inter_node: bool, needs_weights: bool) -> float:
-        """Link time of one spill on its own (tokens there and back, weights if the helper lacks
-        them); the planner prices whole plans instead, with every rank's links in parallel."""
-        return self.link_time(self._spill_bytes(moved_tokens, shape, needs_weights), inter_node)
-
     @classmethod
     def cpu(cls) -> "CostModel":
         """A CPU host running one EP rank per core over gloo: fp32 expert GEMMs at ~0.1 TFLOP/s
