@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_llep.compat import mcore
 from megatron_llep.config import LLEPConfig
 from megatron_llep.runtime.layer import LLEPMoELayer
+from megatron_llep.runtime.weight_exchange import ExpertWeightExchange
 
 
 def init_expert_parallel(ep_size: int, seed: int = 1234) -> None:
@@ -150,8 +151,6 @@ def gathered_expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[s
 def send_a_neighbouring_expert() -> Iterator[None]:
     """Negative control for parity tests: every native rank sends the weights of the expert next to
     the one borrowed, so borrowed slots compute with the wrong expert."""
-    from megatron_llep.runtime.weight_exchange import ExpertWeightExchange
-
     original = ExpertWeightExchange._source_tensors
 
     def shifted(self, expert):
