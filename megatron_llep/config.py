@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from megatron_llep.planning.cost_model import CostModel
 
@@ -23,6 +23,9 @@ class LLEPConfigError(ValueError):
 
 
 PRUNING_METHODS = ("devices", "experts")
+
+KEEP_AUTO = "auto"
+"""``LLEPConfig.max_kept_weight_bytes`` that derives each rank's bound from what it can spare."""
 
 
 def _finite_number(value: object) -> bool:
@@ -90,8 +93,10 @@ class LLEPConfig:
             new copy (the planner prices such spills without one and prefers those helpers), and
             its gradient, accumulated across the step's micro-batches, returns to the native
             rank once, before Megatron's gradient reduction. Copies beyond the bound serve one
-            micro-batch and return their gradients in its backward. ``0``: keep nothing;
-            ``None`` (default): no bound.
+            micro-batch and return their gradients in its backward. ``"auto"`` (default): one copy
+            per rank and LLEP layer, and on a GPU within a quarter of the memory the rank can spare
+            (:func:`megatron_llep.runtime.kept_weights.spare_bytes`); ``0``: keep nothing; ``None``:
+            no bound.
         relay_within_node: a copy bound for a node other than its native rank's crosses the node
             boundary once: other helpers in that node get it from the rank there that keeps it,
             and kept gradients return as a hierarchical sum in stripes, inside nodes and across
@@ -109,7 +114,7 @@ class LLEPConfig:
     record_stats: bool = True
     pruning: Optional[RoutingPruning] = None
     max_tokens_per_rank: Optional[int] = None
-    max_kept_weight_bytes: Optional[int] = None
+    max_kept_weight_bytes: Union[int, str, None] = KEEP_AUTO
     relay_within_node: bool = True
 
     def __post_init__(self) -> None:
@@ -131,9 +136,10 @@ class LLEPConfig:
             raise LLEPConfigError("max_tokens_per_rank", "(the token-expert rows an EP rank may receive per layer "
                                   "step) must be a positive integer, or None for no budget", budget)
         kept = self.max_kept_weight_bytes
-        if kept is not None and (not isinstance(kept, int) or isinstance(kept, bool) or kept < 0):
+        if kept is not None and kept != KEEP_AUTO and (not isinstance(kept, int) or isinstance(kept, bool) or kept < 0):
             raise LLEPConfigError("max_kept_weight_bytes", "(the bytes of borrowed experts a rank keeps for the step) "
-                                  "must be an integer >= 0 (0: keep none), or None for no bound", kept)
+                                  f"must be an integer >= 0 (0: keep none), {KEEP_AUTO!r} (what the rank can spare), "
+                                  "or None for no bound", kept)
         if not isinstance(self.relay_within_node, bool):
             raise LLEPConfigError("relay_within_node", "must be True or False", self.relay_within_node)
         if not isinstance(self.cost_model, CostModel):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ import megatron_llep
 from megatron_llep.runtime import dispatcher as llep_dispatcher
 from megatron_llep.runtime import kept_weights
 from megatron_llep.runtime import state as llep_state
-from megatron_llep.compat.torch_autograd import running_backward
+from megatron_llep.compat.torch_api import running_backward
 from megatron_llep.config import LLEPConfig
 from megatron_llep.runtime.layer import with_llep
 from megatron_llep.runtime.forced_routing import force_routing
@@ -70,7 +72,7 @@ class StepCase:
     ranks_per_node: int = 0  # 0: one node
     grad_sync_func: bool = False  # Megatron-LM's align_grad_reduce: stages start their reduce after the last backward
     no_sync: bool = True  # config.no_sync_func set (Megatron-LM sets it only with --overlap-grad-reduce)
-    max_kept_weight_bytes: int = -1  # -1: no bound
+    max_kept_weight_bytes: Union[int, str, None] = None  # LLEPConfig's: None, no bound; "auto"
     balanced_replica: bool = False  # the second data-parallel replica routes evenly: it keeps and returns nothing
     # negative control (_break): "stale", "lost-behind", "undeferred", "scaled-return", "replan"; or
     # "unfinished": nothing patched, the loop itself leaves gradients away (the optimizer step must refuse)
@@ -99,9 +101,9 @@ def _build(case: StepCase, llep: bool, states=None):
     config = _config(case)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False, normalization="RMSNorm")
     if llep:
-        bound = None if case.max_kept_weight_bytes < 0 else case.max_kept_weight_bytes
         spec = with_llep(spec, LLEPConfig(min_chunk_tokens=1, cost_aware=False, imbalance_threshold=1.05,
-                                          ranks_per_node=case.ranks_per_node or None, max_kept_weight_bytes=bound))
+                                          ranks_per_node=case.ranks_per_node or None,
+                                          max_kept_weight_bytes=case.max_kept_weight_bytes))
     torch.manual_seed(11)
     chunks = []
     for stage in range(case.vpp):
@@ -374,6 +376,7 @@ def _relative_difference(ours: dict, reference: dict) -> float:
 def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
     results = []
     for case in cases:
+        gc.collect()  # the layers of the cases before leave their EP group's ledger (the "auto" bound counts its layers)
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(1, case.pp, case.vpp if case.vpp > 1 else None,
                                                  expert_model_parallel_size=case.ep)
@@ -383,9 +386,9 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         restore = _break(case)
         llep_model, llep_opt = _build(case, llep=True, states=states)
         plain_losses, plain_grads, _ = _train(case, plain_model, plain_opt)
-        counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0, "plans": 0}
+        counts = {"copies": 0, "relayed": 0, "held": 0, "returns": 0, "behind": 0, "plans": 0, "most_kept_bytes": 0}
         local = EXPERTS // case.ep
-        start, plan = ExpertWeightExchange.start, llep_dispatcher.plan_llep
+        start, plan, record = ExpertWeightExchange.start, llep_dispatcher.plan_llep, kept_weights.KeptLedger.record
 
         def counting_start(exchange):
             if not exchange._posted:
@@ -398,13 +401,19 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
             counts["plans"] += 1
             return plan(*args, **kwargs)
 
+        def recording(ledger, *args, **kwargs):  # the most bytes any rank keeps at any time
+            record(ledger, *args, **kwargs)
+            counts["most_kept_bytes"] = max(counts["most_kept_bytes"], int(ledger.used.max()))
+
         ExpertWeightExchange.start, llep_dispatcher.plan_llep = counting_start, counting_plan
+        kept_weights.KeptLedger.record = recording
         try:
             with counting_gradient_returns(counts):
                 llep_losses, llep_grads, errors = _train(case, llep_model, llep_opt)
         finally:
             restore()
             ExpertWeightExchange.start, llep_dispatcher.plan_llep = start, plan
+            kept_weights.KeptLedger.record = record
         grad_diff = max(_relative_difference(ours, ref) for ours, ref in zip(llep_grads, plain_grads))
         worst = 0.0
         for plain_chunk, llep_chunk in zip(plain_model, llep_model):
@@ -415,14 +424,19 @@ def train_both(rank: int, world: int, cases: list[StepCase]) -> list[dict]:
         # planning runs once per forward: one plan per micro-batch, MoE layer of this rank and step
         forwards = case.steps * case.microbatches * sum(len(_moe_layers(chunk)) for chunk in llep_model)
         counts["extra_plans"] = counts.pop("plans") - forwards
+        most_kept = counts.pop("most_kept_bytes")
+        copy_bytes = _moe_layers(llep_model[0])[0].token_dispatcher.kept_copy_bytes
         totals = torch.tensor(list(counts.values()))
         dist.all_reduce(totals)
         results.append({"case": dataclasses.asdict(case), "plain_losses": plain_losses, "llep_losses": llep_losses,
                         "grad_rel_diff": grad_diff, "param_rel_diff": worst, "errors": errors,
+                        "most_kept_bytes": most_kept, "kept_copy_bytes": copy_bytes,
+                        "llep_layers": sum(len(_moe_layers(chunk)) for chunk in llep_model),
                         **dict(zip(counts, totals.tolist()))})
         for ledger in llep_state._LEDGERS.values():  # the next case builds new layers
             ledger.held.clear(), ledger.pending.clear(), ledger.returning.clear()
             ledger.used[:] = 0
+            ledger.auto_bounds = None
     return results
 
 

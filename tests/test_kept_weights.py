@@ -23,6 +23,7 @@ TWO_RANKS = [
     StepCase("overlap-grad-reduce", ep=2),
     StepCase("plain-optimizer", ep=2, distributed_optimizer=False),
     StepCase("nothing-kept", ep=2, max_kept_weight_bytes=0),
+    StepCase("auto-bound", ep=2, max_kept_weight_bytes="auto"),
     StepCase("overlap-grad-reduce-full-recompute", ep=2, recompute="full"),
     StepCase("sync-grad-reduce-moe-recompute", ep=2, overlap_grad_reduce=False, recompute="moe"),
     StepCase("no-no-sync-full-recompute", ep=2, overlap_grad_reduce=False, no_sync=False, recompute="full"),
@@ -112,6 +113,11 @@ def test_kept_copies_train_like_plain_ep_on_two_ranks():
     unknown_last = results["sync-grad-reduce-no-no-sync"]
     assert unknown_last["behind"] == 0 and unknown_last["copies"] == results["sync-grad-reduce"]["copies"]
     assert results["nothing-kept"]["held"] == 0
+    # the default bound ("auto", on a CPU): at most one kept copy per LLEP layer and rank, where the unbounded
+    # run keeps more; copies are still kept (and returned once per layer and step: _check)
+    auto = results["auto-bound"]
+    assert 0 < auto["most_kept_bytes"] <= auto["llep_layers"] * auto["kept_copy_bytes"]
+    assert results["overlap-grad-reduce"]["most_kept_bytes"] > auto["llep_layers"] * auto["kept_copy_bytes"]
     # without Megatron DDP copies are kept across micro-batches whose backwards are still to come
     for name in ("reverse-moe-recompute", "sum-full-recompute", "accumulate-moe-recompute"):
         assert results[name]["held"] > 0, name
@@ -160,7 +166,7 @@ def test_config_refuses_a_kept_bound_outside_its_domain(value):
     with pytest.raises(LLEPConfigError) as err:
         LLEPConfig(max_kept_weight_bytes=value)
     assert err.value.knob == "max_kept_weight_bytes"
-    assert "must be an integer >= 0 (0: keep none)" in err.value.for_flag("--llep-max-kept-weight-bytes")
+    assert "must be an integer >= 0 (0: keep none), 'auto'" in err.value.for_flag("--llep-max-kept-weight-bytes")
     with pytest.raises(LLEPConfigError, match="relay_within_node must be True or False"):
         LLEPConfig(relay_within_node=1)
 
@@ -172,3 +178,16 @@ def test_evaluation_keeps_copies_until_the_weights_change():
     copies = [r["copies"] for r in results]
     assert sum(c[0] for c in copies) > 0 and sum(c[1] for c in copies) == 0, copies  # the second forward copies nothing
     assert max(r["after_load_stale"] for r in results) > 1e-2, results  # control: old copies after the load
+
+
+def test_auto_bound_on_a_gpu_is_a_quarter_of_the_spare_memory(monkeypatch):
+    """The GPU half of the "auto" rule (the memory readings faked: no GPU here): a quarter of the
+    driver's free memory plus the allocator's unused cache."""
+    import torch
+
+    from megatron_llep.runtime.kept_weights import spare_bytes
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000, 8000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 300)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 100)
+    assert spare_bytes(torch.device("cuda", 0)) == (1000 + 300 - 100) // 4

@@ -22,14 +22,13 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron.core.transformer.moe.moe_utils import ProcessGroupCollection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_llep.compat import mcore
-from megatron_llep.compat.torch_autograd import running_backward
+from megatron_llep.compat.torch_api import all_gather_single, running_backward
 from megatron_llep.config import LLEPConfig
 from megatron_llep.planning.plan import LLEPPlan, RankPlan
 from megatron_llep.planning.planner import plan_llep
@@ -42,10 +41,6 @@ from megatron_llep.runtime.state import (STATS, gradient_sync_on, last_backward_
                                          weight_exchange_group)
 from megatron_llep.runtime.statistics import LLEPStepStats
 from megatron_llep.runtime.weight_exchange import ExpertWeightExchange
-
-
-# torch 2.13 renamed all_gather_into_tensor (same signature); keep older torch working
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _routing_fingerprint(routing_map: torch.Tensor) -> torch.Tensor:
@@ -164,7 +159,7 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         local = torch.cat([routing_map.sum(dim=0).long(), _routing_fingerprint(routing_map).view(1),
                            torch.tensor([self.ledger.epoch], device=device)])
         gathered = torch.empty(self.ep_size * (self.num_experts + 2), dtype=torch.long, device=device)
-        _all_gather_single(gathered, local, group=self.ep_group)
+        all_gather_single(gathered, local, group=self.ep_group)
         gathered = gathered.cpu().numpy().reshape(self.ep_size, self.num_experts + 2)
         routing, epochs = gathered[:, :-1], gathered[:, -1]
         counts = routing[:, :-1]
@@ -202,12 +197,13 @@ class LLEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
         start = time.perf_counter()
         config = self.llep_config
         plan = plan_llep(counts, config, self.expert_shape, self.layer_number, held=self.ledger.held_for(self),
-                         keep_room=self.ledger.room(self.kept_copy_bytes, config.max_kept_weight_bytes))
+                         keep_room=self.ledger.room(self, self.kept_copy_bytes, config.max_kept_weight_bytes, device))
         # training drops its copies at the step's end; evaluation keeps them while plans use them
         self.ledger.record(self, plan, self.kept_copy_bytes, drop_unused=not self.training)
         plan_time = time.perf_counter() - start
         if self.llep_config.record_stats:
-            self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time)
+            self.last_stats = LLEPStepStats.from_plan(plan, self.layer_number, self.expert_shape.weight_bytes, plan_time,
+                                                      self.ledger.used.copy())
             STATS.record(self.last_stats)
         step = _StepPlan(routing, plan)
         if plan.is_plain_ep:

@@ -22,14 +22,30 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_llep.compat.torch_api import all_gather_single
+from megatron_llep.config import KEEP_AUTO
 from megatron_llep.planning.gradient_return import gradient_return_phases, stripe_bounds
 from megatron_llep.runtime.experts import ExpertAdapter
+
+
+SPARE_FRACTION = 4
+"""``"auto"`` keeps copies in at most 1 / SPARE_FRACTION of the memory a GPU can spare: the rest is
+left to the activations of the step, which grow after the first plan reads the memory."""
+
+
+def spare_bytes(device: torch.device) -> int:
+    """What a GPU rank may spend on kept copies under ``"auto"`` (``LLEPConfig.max_kept_weight_bytes``),
+    read at its first training plan: a quarter of the driver's free memory plus what torch's
+    allocator holds unused. (The other half of ``"auto"``, one copy per rank and LLEP layer, is what
+    a step's balance needs when every layer is skewed: :meth:`KeptLedger.room`.)"""
+    free, _ = torch.cuda.mem_get_info(device)
+    return (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)) // SPARE_FRACTION
 
 
 class KeptExperts:
@@ -76,6 +92,7 @@ class KeptLedger:
         self.pending: set = set()  # layers whose kept experts took part in a backward-bound forward
         self.returning: dict[Any, GradientReturn] = {}  # layers whose return is under way
         self.used = np.zeros(self.ep_size, np.int64)
+        self.auto_bounds: Optional[np.ndarray] = None  # every GPU rank's spare bytes, gathered at the first plan
         self.epoch = 0
         self._layers: list[weakref.ref] = []  # in construction order
 
@@ -89,11 +106,30 @@ class KeptLedger:
         held = self.held.get(layer)
         return held if held is not None and held.any() else None
 
-    def room(self, copy_bytes: int, bound: Optional[int]) -> Optional[np.ndarray]:
-        """How many more copies of ``copy_bytes`` each rank may keep (None: no bound)."""
+    def room(self, layer: Any, copy_bytes: int, bound: Union[int, str, None], device: torch.device) -> Optional[np.ndarray]:
+        """How many more copies of ``copy_bytes`` each rank may keep for ``layer`` under ``bound``
+        (``LLEPConfig.max_kept_weight_bytes``; None: no bound). ``"auto"``: one copy per rank and
+        LLEP layer, and on a GPU within the bytes the rank can spare (:func:`spare_bytes`)."""
         if bound is None:
             return None
-        return np.maximum(bound - self.used, 0) // max(copy_bytes, 1)
+        if bound != KEEP_AUTO:
+            return np.maximum(bound - self.used, 0) // max(copy_bytes, 1)
+        held = self.held.get(layer)
+        room = np.maximum(1 - (held.sum(axis=0) if held is not None else np.zeros(self.ep_size, np.int64)), 0)
+        spare = self.spare_bytes(device)
+        return room if spare is None else np.minimum(room, np.maximum(spare - self.used, 0) // max(copy_bytes, 1))
+
+    def spare_bytes(self, device: torch.device) -> Optional[np.ndarray]:
+        """Every rank's :func:`spare_bytes` (None on CPU ranks), all-gathered at the first plan that
+        asks (every EP rank asks at the same plan, and then prices every rank's room alike)."""
+        if device.type != "cuda":
+            return None
+        if self.auto_bounds is None:
+            gathered = torch.zeros(self.ep_size, dtype=torch.long, device=device)
+            all_gather_single(gathered, torch.tensor([spare_bytes(device)], dtype=torch.long, device=device),
+                              group=self.group)
+            self.auto_bounds = gathered.cpu().numpy()
+        return self.auto_bounds
 
     def record(self, layer: Any, plan, copy_bytes: int, drop_unused: bool = False) -> None:
         """Add ``plan``'s kept copies (``LLEPPlan.transfer_kept``) to the ledger. ``drop_unused``

@@ -25,12 +25,16 @@ class LLEPStepStats:
     plan: LLEPPlan
     expert_weight_bytes: int
     plan_time_s: float
+    # bytes of borrowed experts each EP rank keeps for the step (weights and fp32 accumulators, over
+    # all its LLEP layers) once the plan is recorded; None where the ledger was not asked
+    kept_bytes: Optional[np.ndarray] = None
 
     @classmethod
     def from_plan(
-        cls, plan: LLEPPlan, layer_number: Optional[int], expert_weight_bytes: int, plan_time_s: float
+        cls, plan: LLEPPlan, layer_number: Optional[int], expert_weight_bytes: int, plan_time_s: float,
+        kept_bytes: Optional[np.ndarray] = None,
     ) -> "LLEPStepStats":
-        return cls(layer_number, plan, expert_weight_bytes, plan_time_s)
+        return cls(layer_number, plan, expert_weight_bytes, plan_time_s, kept_bytes)
 
     @property
     def mode(self) -> str:
@@ -89,12 +93,14 @@ class LLEPStepStats:
                  "weight_bytes", "plan_time_s", "max_rank_rows")
         row = {name: float(getattr(self, name)) for name in names}
         row["llep_active"] = float(self.mode == "llep")
+        if self.kept_bytes is not None:
+            row["max_kept_bytes"] = float(self.kept_bytes.max())
         if self.budget_rows is not None:
             row["budget_rows"] = float(self.budget_rows)
         return row
 
 
-MAX_MERGED_STATISTICS = frozenset({"max_rank_rows", "budget_rows"})
+MAX_MERGED_STATISTICS = frozenset({"max_rank_rows", "budget_rows", "max_kept_bytes"})
 """Per-layer statistics merged by their maximum (over micro-batches, and over ranks when loggers
 gather them), so that they can be read against the budget; the others are summed or averaged."""
 
