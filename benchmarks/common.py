@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
@@ -115,20 +116,26 @@ def machine_info() -> dict:
     return info
 
 
-def write_results(path: str, benchmark: str, rows: list[dict], settings: dict) -> None:
-    """One JSON file per run: what ran, where, when, and every row."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def write_results(path: str, benchmark: str, rows: list[dict], settings: dict, complete: bool = True) -> None:
+    """One JSON file per run: what ran, where, when, and every row. Written atomically (a temporary
+    file in the same directory, renamed over ``path``), so a run killed mid-write leaves the last
+    whole file; ``complete=False`` rewrites it, quietly, while a run is still adding rows."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     payload = {
         "benchmark": benchmark,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": machine_info(),
         "settings": settings,
+        "complete": complete,
         "rows": rows,
     }
-    with open(path, "w") as f:
+    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=os.path.basename(path), suffix=".tmp", delete=False) as f:
         json.dump(payload, f, indent=1, default=_json_default)
-    print(f"\nwrote {path}")
+    os.replace(f.name, path)
+    if complete:
+        print(f"\nwrote {path}")
 
 
 def _json_default(value):

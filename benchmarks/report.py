@@ -1,7 +1,7 @@
 """Turn benchmark JSON into docs: result tables (markdown) and the speedup / peak-memory plot.
 
     python benchmarks/report.py --layer-cpu results/layer_cpu.json --plan-model results/plan_model.json \
-        [--gpu results/gpu_h200.json] --out-dir docs
+        [--gpu results/gpu_layer.json] --out-dir docs
 
 Writes ``docs/benchmarks_results.md`` (included by docs/benchmarks.md) and ``docs/img/llep_speedup_memory.png``
 and copies the JSON to ``docs/data/`` so every figure in the docs has its raw numbers next to it.
@@ -78,14 +78,19 @@ def plan_model_section(data) -> str:
 
 
 def gpu_section(data) -> str:
-    grid = [r for r in data["rows"] if r.get("section", "grid") == "grid" and r.get("ep_ms") is not None]
-    return "\n".join([f"### One H200, emulated P = {grid[0]['ep_size']}; routing: forced (f into h; balanced rows forced uniform) ({data['date']})", "",
-                      f"Machine: {data['machine']}. Command: `{data['command']}`.", "",
-                      _table(grid, [("model", "layer", ""), ("scenario", "scenario", ""),
-                                            ("ep_ms", "EP ms", ".2f"), ("llep_ms", "LLEP ms", ".2f"),
-                                            ("ideal_ms", "ideal ms", ".2f"), ("speedup", "speedup", ".2f"),
-                                            ("paper_speedup", "paper", ".2f"), ("llep_vs_ideal", "LLEP/ideal", ".3f"),
-                                            ("ep_peak_gb", "EP peak GB", ".2f"), ("llep_peak_gb", "LLEP peak GB", ".2f")])])
+    grid = [r for r in data["rows"] if r["section"] == "layer" and r["status"] == "ok"]
+    checks = [r for r in data["rows"] if r["section"] == "correctness"]
+    return "\n".join([f"### One GPU, emulated P = {grid[0]['ep_size']}; routing: forced (f into h; balanced rows forced uniform) ({data['date']})", "",
+                      f"Machine: {data['machine']}. Command: `{data['command']}`. Measured: {data['settings']['measured']}. "
+                      f"Modelled: {data['settings']['modelled']}.", "",
+                      _table(grid, [("model", "layer", ""), ("scenario", "scenario", ""), ("link_gbps", "GB/s", "g"), ("mode", "plan", ""),
+                                    ("ep_layer_ms", "EP ms", ".2f"), ("llep_layer_ms", "LLEP ms", ".2f"),
+                                    ("ideal_layer_ms", "ideal ms", ".2f"), ("ep_vs_llep", "EP/LLEP", ".2f"),
+                                    ("ep_vs_llep_no_overlap", "EP/LLEP no overlap", ".2f"), ("paper_fwd_speedup", "paper (fwd)", ".2f"),
+                                    ("llep_vs_ideal", "LLEP/ideal", ".3f"), ("ep_peak_gb", "EP peak GB", ".2f"),
+                                    ("llep_peak_gb", "LLEP peak GB", ".2f")]), "",
+                      _table(checks, [("name", "borrowed vs native", ""), ("status", "status", ""), ("bitwise", "bit for bit", ""),
+                                      ("reason", "reason", "")])])
 
 
 def plot(layer_cpu, plan_model, path: str) -> None:

@@ -68,13 +68,14 @@ def grouped_gemm_util() -> Any:
 
 
 def moe_module_spec(num_experts: int, use_te: bool = False, legacy_grouped_gemm: bool = False) -> Any:
-    """Megatron's MoE layer spec; ``legacy_grouped_gemm`` asks for legacy ``GroupedMLP`` experts."""
+    """Megatron's MoE layer spec: ``SequentialMLP`` experts; ``use_te`` asks for Transformer
+    Engine's ``TEGroupedMLP``, ``legacy_grouped_gemm`` for legacy ``GroupedMLP``."""
     if legacy_grouped_gemm and GroupedMLP is None:
         raise ValueError(
             f"legacy GroupedMLP was removed in Megatron-Core 0.17 (installed: {MCORE_VERSION}); "
             "use SequentialMLP or Transformer Engine's TEGroupedMLP"
         )
-    return get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=legacy_grouped_gemm)
+    return get_moe_module_spec(use_te=use_te, num_experts=num_experts, moe_grouped_gemm=use_te or legacy_grouped_gemm)
 
 
 def moe_submodules(spec: Any) -> Any:

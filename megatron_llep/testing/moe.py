@@ -81,15 +81,17 @@ def build_moe_layer(
     seed: int = 0,
     weight_scale: float = 0.2,
     grouped_gemm: bool = False,
+    te_grouped_gemm: bool = False,
 ) -> MoELayer:
     """A Megatron MoELayer (plain EP) or LLEPMoELayer (routing can be forced with
     :func:`megatron_llep.runtime.forced_routing.force_routing`).
 
     Weights are set from ``seed`` and each expert's *global* id, so every expert differs from every
     other and both layer kinds built with the same seed hold identical weights. ``grouped_gemm``
-    selects Megatron's legacy GroupedMLP experts (Megatron-Core < 0.17) instead of SequentialMLP.
+    selects Megatron's legacy GroupedMLP experts (Megatron-Core < 0.17) instead of SequentialMLP,
+    ``te_grouped_gemm`` Transformer Engine's TEGroupedMLP (GPU; ``config.moe_grouped_gemm`` on).
     """
-    spec = mcore.moe_module_spec(config.num_moe_experts, legacy_grouped_gemm=grouped_gemm)
+    spec = mcore.moe_module_spec(config.num_moe_experts, use_te=te_grouped_gemm, legacy_grouped_gemm=grouped_gemm)
     submodules = mcore.moe_submodules(spec)
     if llep_config is None:
         layer = MoELayer(config, submodules, layer_number=1)
@@ -102,17 +104,19 @@ def build_moe_layer(
 @torch.no_grad()
 def set_distinct_weights(layer: MoELayer, seed: int, scale: float = 0.2) -> None:
     """Router and shared-expert weights from ``seed`` (identical on every rank); routed expert
-    ``g``'s from ``(seed, g)``."""
-    gen = torch.Generator().manual_seed(seed)
+    ``g``'s from ``(seed, g)``. Drawn on the parameters' device (the same values wherever a
+    layer's parameters are on the same kind of device)."""
     replicated = list(layer.router.parameters())
     if layer.shared_experts is not None:
         replicated += list(layer.shared_experts.parameters())
+    gen = torch.Generator(replicated[0].device).manual_seed(seed)
     for param in replicated:
-        param.copy_(torch.randn(param.shape, generator=gen) * scale)
+        param.copy_(torch.randn(param.shape, generator=gen, device=param.device) * scale)
     for local, tensors in enumerate(expert_weights(layer)):
-        gen = torch.Generator().manual_seed(seed * 100003 + layer.local_expert_indices[local] + 1)
+        device = next(iter(tensors.values())).device
+        gen = torch.Generator(device).manual_seed(seed * 100003 + layer.local_expert_indices[local] + 1)
         for tensor in tensors.values():
-            tensor.copy_(torch.randn(tensor.shape, generator=gen) * scale)
+            tensor.copy_(torch.randn(tensor.shape, generator=gen, device=device) * scale)
 
 
 def expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[str, torch.Tensor]]:
@@ -121,13 +125,17 @@ def expert_weights(layer: MoELayer, grads: bool = False) -> list[dict[str, torch
     their ``.grad`` with ``grads=True``)."""
     experts = layer.experts
     pick = (lambda p: p.grad) if grads else (lambda p: p)
+    names = {"linear_fc1.weight": "fc1_weight", "linear_fc1.bias": "fc1_bias",
+             "linear_fc2.weight": "fc2_weight", "linear_fc2.bias": "fc2_bias"}
+    if isinstance(experts, mcore.TEGroupedMLP):  # expert i owns linear_fc1.weight{i} [2H, D], linear_fc1.bias{i}, ...
+        params = dict(experts.named_parameters())
+        return [{key: pick(params[f"{name}{i}"]) for name, key in names.items() if f"{name}{i}" in params}
+                for i in range(layer.num_local_experts)]
     if mcore.GroupedMLP is not None and isinstance(experts, mcore.GroupedMLP):  # weight1 [D, M*2H] and weight2 [M*H, D], viewed per expert
         local, hidden = layer.num_local_experts, layer.config.hidden_size
         w1 = pick(experts.weight1).view(local, hidden, -1)
         w2 = pick(experts.weight2).view(local, -1, hidden)
         return [{"fc1_weight": w1[i].t(), "fc2_weight": w2[i].t()} for i in range(local)]
-    names = {"linear_fc1.weight": "fc1_weight", "linear_fc1.bias": "fc1_bias",
-             "linear_fc2.weight": "fc2_weight", "linear_fc2.bias": "fc2_bias"}
     return [{names[n]: pick(p) for n, p in e.named_parameters()} for e in experts.local_experts]
 
 
