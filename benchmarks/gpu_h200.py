@@ -5,7 +5,8 @@ starts after ``--time-budget`` seconds, 450 by default, and the rows left are re
 
     PYTHONUNBUFFERED=1 timeout 480 python3 benchmarks/gpu_h200.py --out results/gpu_h200.json
 
-(docs/benchmarks.md, "Mode 3", has the lines that bring megatron-core to a machine without it.)
+(docs/benchmarks.md, "On a GPU: prepared, not run", has the lines that bring megatron-core to a
+machine without it.)
 Check it anywhere in seconds (tiny shapes on CPU; what needs Transformer Engine or a GPU is
 recorded as skipped, with the reason; this is what tests/test_benchmarks.py runs):
 
