@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -44,7 +45,8 @@ def _phase_time(out_bytes: np.ndarray, in_bytes: np.ndarray, model: CostModel, i
     return max(model.link_time(float(max(o, i)), inter) for o, i in zip(out_bytes, in_bytes))
 
 
-def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel, kept_gradients_per_step: bool = False) -> dict:
+def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel, kept_gradients_per_step: bool = False,
+            free_weights: bool = False) -> dict:
     """Predicted phase times, traffic and per-rank activation memory of one plan, rank by rank.
 
     A rank runs its native experts (and those whose copy it already keeps) once the tokens are in,
@@ -53,7 +55,12 @@ def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel, kept_gradients_
     earlier waves' copies, and, when a relay inside the node sends it, one intra-node copy time
     after the relay's own copy is in. With ``model.training`` bytes count twice (activations and
     weights, and their gradients), except that with ``kept_gradients_per_step`` a kept copy's
-    gradient is left out (it returns once per step: :func:`step_gradient_return`).
+    gradient is left out (it returns once per step: :func:`step_gradient_return`). With
+    ``free_weights`` the copies cost no link time (what the plan's token traffic alone costs).
+
+    ``no_overlap_s`` is the same plan's no-overlap roofline: the token dispatch, then every weight
+    copy (the cross-node ones, then the ones inside a node, a relay's after its own copy), then
+    the busiest rank's GEMMs, then the combine, one after the other.
     """
     ep = plan.ep_size
     es = expert_shape(shape)
@@ -82,6 +89,14 @@ def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel, kept_gradients_
         if (e, d) not in copied:
             own[d] += t
     size = [es.weight_bytes * (1 if kept and kept_gradients_per_step else scale) for *_, kept in copies]
+    if free_weights:
+        size = [0] * len(copies)
+    copy_out = {inter: np.zeros(ep) for inter in (False, True)}
+    copy_in = {inter: np.zeros(ep) for inter in (False, True)}
+    for (s, h, *_), nbytes in zip(copies, size):
+        copy_out[bool(node[s] != node[h])][s] += nbytes
+        copy_in[bool(node[s] != node[h])][h] += nbytes
+    copies_alone = sum(_phase_time(copy_out[i], copy_in[i], model, i) for i in (False, True))
     arrival_of: dict[tuple[int, int], float] = {}  # (expert, helper) -> when its copy is in
     for (s, h, e, w, _), nbytes in zip(copies, size):
         inter = bool(node[s] != node[h])
@@ -115,11 +130,14 @@ def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel, kept_gradients_
         "compute_s": compute,
         "combine_s": combine,
         "layer_s": dispatch + compute + combine,
+        "no_overlap_s": dispatch + copies_alone + float(gemms.max()) + combine,
         "weights_wait_s": compute - float(gemms.max()),  # the compute phase beyond the slowest rank's GEMMs
         "token_bytes": int(count[remote].sum()) * es.token_bytes * 2,
         "weight_bytes": plan.num_weight_transfers * es.weight_bytes,
         "peak_act_bytes": int(memory.max()),
         "max_mean": float(tokens_here.max() / tokens_here.mean()),
+        # token rows on the busiest cross-node link (a rank's rows out of or into its node)
+        "cross_node_rows": int(max(token_out[True].max(), token_in[True].max()) // token_bytes),
     }
 
 
@@ -205,6 +223,10 @@ def compare_plans(counts: np.ndarray, shape: LayerShape, config: LLEPConfig, ide
         "speedup": p_ep["layer_s"] / p_llep["layer_s"], "llep_vs_ideal": p_llep["layer_s"] / ideal["layer_s"],
         "ep_token_gb": p_ep["token_bytes"] / 1e9, "llep_token_gb": p_llep["token_bytes"] / 1e9,
         "weight_gb": p_llep["weight_bytes"] / 1e9, "weight_copies": llep.num_weight_transfers,
+        "llep_no_overlap_vs_ideal": p_llep["no_overlap_s"] / ideal["no_overlap_s"],
+        "llep_free_weights_vs_ideal": predict(llep, shape, model, free_weights=True)["layer_s"] / ideal["layer_s"],
+        "llep_cross_node_rows_vs_ideal": (p_llep["cross_node_rows"] / ideal["cross_node_rows"]
+                                          if ideal["cross_node_rows"] else None),
         "ep_mem_vs_ideal": p_ep["peak_act_bytes"] / ideal["peak_act_bytes"],
         "llep_mem_vs_ideal": p_llep["peak_act_bytes"] / ideal["peak_act_bytes"],
         "mode": "llep" if not llep.is_plain_ep else ("fallback" if llep.fallback else "plain"),
@@ -286,7 +308,8 @@ def behind_backward(phases: list[float], window_s: float, moe_layers: int) -> fl
     return beyond + sum((k + 1) * t for k, t in enumerate(phases)) / moe_layers
 
 
-def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: int, repeats: int) -> list[dict]:
+def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: int, repeats: int,
+              kept_copies: Optional[int] = None) -> list[dict]:
     """LLEP over one optimizer step of ``max(MICRO_BATCHES)`` micro-batches of one layer (forward
     and backward, ``config.cost_model`` a training model), each with its own count matrix of the
     scenario, planned in order; a row per step length in MICRO_BATCHES (a shorter step is the
@@ -294,22 +317,29 @@ def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: in
     the force-balanced ideal. Kept copies carry forward as ``held`` and return their gradients
     once, at the end of the step (``llep_vs_ideal``: in the layer's last backward, as loops without
     Megatron DDP; ``llep_vs_ideal_behind``: behind the layers below, as under Megatron DDP);
-    transient copies return theirs in their micro-batch."""
+    transient copies return theirs in their micro-batch. ``kept_copies``: "after" keeps at most
+    that many copies per rank (``max_kept_weight_bytes``; this one layer is the whole model).
+    ``llep_vs_ideal_no_overlap`` is the no-overlap roofline: every micro-batch's
+    ``predict(...)["no_overlap_s"]`` plus the whole step-end return, against the ideal's."""
     es, model = expert_shape(shape), config.cost_model
     ideal_layer = ideal_prediction(shape, ep, config)
     ideal = ideal_layer["layer_s"]
     window_s = ideal_layer["compute_s"] * 2 / 3  # one layer's backward GEMMs (a third of the compute is forward)
     rows = []
     for handling, configured in weight_handling(config).items():
+        if kept_copies is not None and handling == "after":
+            configured = replace(configured, max_kept_weight_bytes=kept_copies * es.kept_copy_bytes)
         kept_bound = configured.max_kept_weight_bytes
         room = None if kept_bound is None else np.full(ep, kept_bound // es.kept_copy_bytes, np.int64)
         held = np.zeros((shape.num_experts, ep), bool)
         node = np.arange(ep) // RANKS_PER_NODE
-        layer_s, copies, transient, crossing, crossing_transient = 0.0, 0, 0, 0, 0
+        layer_s, no_overlap_s, copies, transient, crossing, crossing_transient = 0.0, 0.0, 0, 0, 0, 0
         for k in range(max(MICRO_BATCHES)):
             counts = sample_counts(shape, ep, scenario, seed * 1009 + k)
             plan = plan_llep(counts, configured, es, held=held, keep_room=room)
-            layer_s += predict(plan, shape, model, kept_gradients_per_step=True)["layer_s"]
+            predicted = predict(plan, shape, model, kept_gradients_per_step=True)
+            layer_s += predicted["layer_s"]
+            no_overlap_s += predicted["no_overlap_s"]
             copies += plan.num_weight_transfers
             transient += int((~plan.transfer_kept).sum())
             crosses = node[plan.transfer_source] != node[plan.transfer_helper]
@@ -332,11 +362,14 @@ def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: in
                 "weights": handling, "step_ms": step_s * 1e3, "ideal_ms": (k + 1) * ideal * 1e3,
                 "llep_vs_ideal": step_s / ((k + 1) * ideal), "grad_return_ms": return_s * 1e3,
                 "llep_vs_ideal_behind": (layer_s + behind_s) / ((k + 1) * ideal), "grad_return_behind_ms": behind_s * 1e3,
+                "llep_vs_ideal_no_overlap": (no_overlap_s + return_s) / ((k + 1) * ideal_layer["no_overlap_s"]),
                 "weight_gb": copies * es.weight_bytes / 1e9,
                 "grad_gb": (transient * es.weight_bytes + held.sum() * 4 * es.num_params) / 1e9,  # kept: fp32
                 "cross_node_weight_gb": crossing * es.weight_bytes / 1e9,
                 "cross_node_grad_gb": (crossing_transient * es.weight_bytes + return_crossing) / 1e9,
-                "kept_copies": int(held.sum()),
+                "kept_copies": int(held.sum()), "max_kept_per_rank": int(held.sum(axis=0).max()),
+                "max_kept_gb_per_rank": int(held.sum(axis=0).max()) * es.kept_copy_bytes / 1e9,
+                "kept_bound_copies": kept_copies if handling == "after" else 0 if kept_bound == 0 else None,
                 "plan_ms": time_planner(counts, configured, es, repeats, held=held, keep_room=room) * 1e3,
             })
     return rows
@@ -356,6 +389,8 @@ def main() -> None:
                              "(--ep to change), training cost model, borrowed weights copied per micro-batch "
                              "(before) or kept for the step and relayed inside nodes (after)")
     parser.add_argument("--quick", action="store_true", help="with --steps: DeepSeek-V3 and the 95 %% scenarios only")
+    parser.add_argument("--max-kept-copies", type=int, default=None,
+                        help="with --steps: 'after' keeps at most this many copies per rank and layer (default: no bound)")
     parser.add_argument("--out", default=None, help="default: results/plan_model.json (results/plan_model_steps.json with --steps)")
     args = parser.parse_args()
     config = LLEPConfig(alpha=args.alpha, min_chunk_tokens=args.min_chunk_tokens, imbalance_threshold=args.imbalance_threshold)
@@ -389,12 +424,14 @@ def run_steps(args: argparse.Namespace, config: LLEPConfig) -> None:
         for ep in eps:
             if shape.num_experts % ep == 0:
                 for scenario in scenarios:
-                    rows += step_rows(shape, ep, scenario, ep_config(config, model, ep), args.seed, args.planner_repeats)
+                    rows += step_rows(shape, ep, scenario, ep_config(config, model, ep), args.seed, args.planner_repeats,
+                                      args.max_kept_copies)
     print_table(rows, [
         ("model", "model", ""), ("ep", "P", "d"), ("scenario", "scenario", ""), ("micro_batches", "K", "d"),
         ("weights", "weights", ""), ("step_ms", "step ms", ".2f"), ("ideal_ms", "ideal ms", ".2f"),
         ("llep_vs_ideal", "LLEP/ideal", ".3f"), ("grad_return_ms", "grad return ms", ".2f"),
         ("llep_vs_ideal_behind", "behind: LLEP/ideal", ".3f"), ("grad_return_behind_ms", "behind: ms", ".2f"),
+        ("llep_vs_ideal_no_overlap", "no overlap: LLEP/ideal", ".3f"), ("max_kept_per_rank", "kept/rank", "d"),
         ("weight_gb", "weights GB", ".2f"), ("grad_gb", "grads GB", ".2f"),
         ("cross_node_weight_gb", "x-node w GB", ".2f"), ("cross_node_grad_gb", "x-node g GB", ".2f"),
         ("kept_copies", "kept", "d"), ("plan_ms", "plan ms", ".3f"),
@@ -407,18 +444,21 @@ def run_steps(args: argparse.Namespace, config: LLEPConfig) -> None:
 
 def step_summary(rows: list[dict]) -> str:
     """Worst LLEP/ideal per (P, K, weight handling), and the points above 1.10; for kept copies
-    also with the return behind the layers below (as under Megatron DDP)."""
+    also with the return behind the layers below (as under Megatron DDP); and the no-overlap
+    roofline's, with the most copies one rank keeps."""
     lines = []
     for key in sorted({(r["ep"], r["micro_batches"], r["weights"]) for r in rows}):
         group = [r for r in rows if (r["ep"], r["micro_batches"], r["weights"]) == key]
-        for field, label in (("llep_vs_ideal", ""), ("llep_vs_ideal_behind", ", behind")):
-            if label and key[2] == "before":
+        for field, label in (("llep_vs_ideal", ""), ("llep_vs_ideal_behind", ", behind"),
+                             ("llep_vs_ideal_no_overlap", ", no overlap")):
+            if label == ", behind" and key[2] == "before":
                 continue
             worst = max(group, key=lambda r: r[field])
             over = sum(r[field] > 1.10 for r in group)
             lines.append(f"P = {key[0]:2d}, K = {key[1]}, {key[2] + label:14s}: worst LLEP/ideal {worst[field]:.3f} "
                          f"({worst['model']} {worst['scenario']}), {over} of {len(group)} points above 1.10, "
-                         f"slowest plan {max(r['plan_ms'] for r in group):.3f} ms")
+                         f"slowest plan {max(r['plan_ms'] for r in group):.3f} ms, "
+                         f"most copies kept on one rank {max(r['max_kept_per_rank'] for r in group)}")
     return "\n".join(lines)
 
 
