@@ -254,16 +254,19 @@ def _llep_flags(*argv: str) -> argparse.Namespace:
 def test_llep_flags_map_onto_llep_config():
     from megatron_llep.config import LLEPConfig
     from megatron_llep.planning.cost_model import CostModel
-    from megatron_llep.integrations.megatron_lm import llep_config_from_args, note_when_idle
+    from megatron_llep.integrations.flags import llep_config_from_flags
+    from megatron_llep.integrations.megatron_lm import note_when_idle
 
     args = _llep_flags("--llep", "--llep-alpha", "1.5", "--llep-min-chunk-tokens", "7", "--llep-imbalance-threshold", "2",
                        "--llep-ranks-per-node", "4", "--no-llep-cost-aware", "--llep-cost-model", "h200",
                        "--no-llep-enabled", "--no-llep-record-stats", "--llep-max-tokens-per-rank", "4096")
-    assert llep_config_from_args(args) == LLEPConfig(alpha=1.5, min_chunk_tokens=7, imbalance_threshold=2.0,
-                                                     ranks_per_node=4, cost_aware=False, cost_model=CostModel(),
-                                                     enabled=False, record_stats=False, max_tokens_per_rank=4096)
+    assert llep_config_from_flags(args) == LLEPConfig(alpha=1.5, min_chunk_tokens=7, imbalance_threshold=2.0,
+                                                      ranks_per_node=4, cost_aware=False, cost_model=CostModel(),
+                                                      enabled=False, record_stats=False, max_tokens_per_rank=4096)
     # CPU defaults, as recipes/finetune.py's: m = 16 and the CPU cost model
-    assert llep_config_from_args(_llep_flags("--llep")) == LLEPConfig(min_chunk_tokens=16, cost_model=CostModel.cpu())
+    assert llep_config_from_flags(_llep_flags("--llep")) == LLEPConfig(min_chunk_tokens=16, cost_model=CostModel.cpu())
+    for given, kept in (("auto", "auto"), ("none", None), ("0", 0), ("4096", 4096)):
+        assert llep_config_from_flags(_llep_flags("--llep-max-kept-weight-bytes", given)).max_kept_weight_bytes == kept
     assert note_when_idle(_llep_flags("--llep")) is None
     assert "no work" in note_when_idle(_llep_flags("--llep", "--expert-model-parallel-size", "1"))
 

@@ -31,9 +31,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_llep.config import LLEPConfig, LLEPConfigError
-from megatron_llep.planning.cost_model import CostModel
-from megatron_llep.runtime.state import STATS
+from megatron_llep.integrations.flags import add_llep_flags, llep_config_from_flags
+from megatron_llep.integrations.placement import apply_placement
+from megatron_llep.placement import ExpertPlacement, read_checkpoint_placement, same_expert_order, write_checkpoint_placement
+from megatron_llep.placement.placement import CHECKPOINT_PLACEMENT_FILE
+from megatron_llep.runtime.layer import with_llep
+from megatron_llep.runtime.megatron_checks import check_megatron_config
+from megatron_llep.runtime.state import STATS, accumulating_gradients
 from megatron_llep.runtime.statistics import budget_phrase, merge_layer_statistic
 
 LOG_PREFIX = "moe/layer_"
@@ -41,71 +45,12 @@ LOG_PREFIX = "moe/layer_"
 
 
 def add_llep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM ``extra_args_provider``: the LLEP flags (defaults are LLEPConfig's)."""
-    defaults = LLEPConfig()
-    group = parser.add_argument_group("LLEP (megatron-llep)")
-    group.add_argument("--llep", action="store_true",
-                       help="replace every MoE layer by LLEPMoELayer (least-loaded expert parallelism)")
-    group.add_argument("--llep-alpha", type=float, default=defaults.alpha,
-                       help="rank capacity as a multiple of the mean rank load")
-    group.add_argument("--llep-min-chunk-tokens", type=int, default=None,
-                       help="m: smallest spill worth a GEMM (default 1024 on GPU, 16 on CPU)")
-    group.add_argument("--llep-imbalance-threshold", type=float, default=defaults.imbalance_threshold,
-                       help="lambda: plain EP while max/mean rank load is below it")
-    group.add_argument("--llep-ranks-per-node", type=int, default=defaults.ranks_per_node,
-                       help="EP ranks per node (helpers are preferred inside the node); default: all on one node")
-    group.add_argument("--llep-cost-aware", action=argparse.BooleanOptionalAction, default=defaults.cost_aware,
-                       help="pick the plan with the lowest predicted layer time")
-    group.add_argument("--llep-cost-model", choices=["auto", "h200", "cpu"], default="auto",
-                       help="timing model of --llep-cost-aware (auto: cpu on CPU, h200 on GPU)")
-    group.add_argument("--llep-enabled", action=argparse.BooleanOptionalAction, default=defaults.enabled,
-                       help="--no-llep-enabled keeps LLEPMoELayer but runs plain EP (A/B runs)")
-    group.add_argument("--llep-record-stats", action=argparse.BooleanOptionalAction, default=defaults.record_stats,
-                       help="log per-layer LLEP statistics at --log-interval")
-    group.add_argument("--llep-max-tokens-per-rank", type=int, default=defaults.max_tokens_per_rank, metavar="ROWS",
-                       help="hard budget of token-expert rows each EP rank computes per MoE layer and micro-batch: "
-                            "LLEP spills (even below lambda, in chunks under m) to keep every rank within it, and "
-                            "a micro-batch routing more than EP x ROWS rows stops with an error naming the layer "
-                            "(default: no budget)")
-    group.add_argument("--llep-max-kept-weight-bytes", type=int, default=defaults.max_kept_weight_bytes,
-                       metavar="BYTES",
-                       help="bytes of borrowed experts (weights + fp32 gradient accumulator) each rank keeps for the "
-                            "rest of the optimizer step, over all MoE layers (0: keep none; default: no bound)")
-    group.add_argument("--llep-relay-within-node", action=argparse.BooleanOptionalAction,
-                       default=defaults.relay_within_node,
-                       help="a borrowed expert's copy crosses to another node once and is forwarded inside it")
-    group.add_argument("--llep-placement", default=None, metavar="PATH",
-                       help="CAP expert placement (python -m megatron_llep.placement plan ...), applied before "
-                            "training; a checkpoint holds the experts in this placement's order")
-    return parser
-
-
-def llep_config_from_args(args: argparse.Namespace) -> LLEPConfig:
-    """The LLEPConfig the flags describe; ``ValueError`` naming the flag when one is out of range."""
-    on_gpu = torch.cuda.is_available()
-    cost_model = {"auto": "h200" if on_gpu else "cpu"}.get(args.llep_cost_model, args.llep_cost_model)
-    min_chunk = args.llep_min_chunk_tokens
-    try:
-        return LLEPConfig(
-            alpha=args.llep_alpha,
-            min_chunk_tokens=min_chunk if min_chunk is not None else (1024 if on_gpu else 16),
-            imbalance_threshold=args.llep_imbalance_threshold,
-            ranks_per_node=args.llep_ranks_per_node,
-            cost_aware=args.llep_cost_aware,
-            cost_model=CostModel() if cost_model == "h200" else CostModel.cpu(),
-            enabled=args.llep_enabled,
-            record_stats=args.llep_record_stats,
-            max_tokens_per_rank=args.llep_max_tokens_per_rank,
-            max_kept_weight_bytes=args.llep_max_kept_weight_bytes,
-            relay_within_node=args.llep_relay_within_node,
-        )
-    except LLEPConfigError as err:  # every flag is named --llep-<field>
-        raise ValueError(err.for_flag(f"--llep-{err.knob.replace('_', '-')}")) from None
+    """Megatron-LM ``extra_args_provider``: the LLEP flags (:mod:`megatron_llep.integrations.flags`),
+    LLEP off unless ``--llep``."""
+    return add_llep_flags(parser, llep_default=False)
 
 
 def _load_placement(path: str):
-    from megatron_llep.placement import ExpertPlacement
-
     try:
         return ExpertPlacement.load(path)
     except (OSError, ValueError, KeyError) as err:
@@ -121,7 +66,7 @@ def _check_own_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--llep-placement {args.llep_placement}: placement is for {placement.num_experts} "
                              f"experts, the model has --num-experts {num_experts}")
     if args.llep:
-        llep_config_from_args(args)
+        llep_config_from_flags(args)
 
 
 def _holds_checkpoints(directory: str) -> bool:
@@ -137,9 +82,6 @@ def check_checkpoint_placement(args: argparse.Namespace) -> None:
     the experts in the order of the run that saved it (recorded as ``expert_placement.json`` in the
     directory by :func:`record_checkpoint_placement`). Checkpoints already in ``--load`` or
     ``--save`` must be in this run's ``--llep-placement`` order. Raises ``ValueError`` (one line)."""
-    from megatron_llep.placement import read_checkpoint_placement, same_expert_order
-    from megatron_llep.placement.placement import CHECKPOINT_PLACEMENT_FILE
-
     placement = _load_placement(args.llep_placement) if args.llep_placement else None
     ours = f"--llep-placement {args.llep_placement}" if placement is not None else "original order (no --llep-placement)"
     for flag in ("load", "save"):
@@ -159,9 +101,6 @@ def check_checkpoint_placement(args: argparse.Namespace) -> None:
 def record_checkpoint_placement(args: argparse.Namespace) -> None:
     """Note in ``--save`` which expert order its checkpoints will hold (call once, from rank 0, after
     :func:`check_checkpoint_placement`): the placement's file, or none for the original order."""
-    from megatron_llep.placement import write_checkpoint_placement
-    from megatron_llep.placement.placement import CHECKPOINT_PLACEMENT_FILE
-
     if not getattr(args, "save", None):
         return
     if args.llep_placement:
@@ -199,8 +138,6 @@ def check_llep_args(args: argparse.Namespace) -> None:
                          f"(got {args.moe_token_dispatcher_type})")
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_llep.runtime.megatron_checks import check_megatron_config
-
     expert_tp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     try:
         check_megatron_config(core_transformer_config_from_args(args), expert_tp)
@@ -232,9 +169,7 @@ def gpt_layer_spec(args: argparse.Namespace, config: Any, vp_stage: Optional[int
         spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, multi_latent_attention=args.multi_latent_attention,
                                         normalization=args.normalization)
     if args.llep:
-        from megatron_llep.runtime.layer import with_llep
-
-        spec = with_llep(spec, llep_config_from_args(args))
+        spec = with_llep(spec, llep_config_from_flags(args))
     return spec
 
 
@@ -248,9 +183,7 @@ def _mtp_block_spec(args: argparse.Namespace, config: Any, vp_stage: Optional[in
     layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te, normalization=args.normalization,
                                         qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
     if args.llep and args.num_experts:
-        from megatron_llep.runtime.layer import with_llep
-
-        layer = with_llep(layer, llep_config_from_args(args))
+        layer = with_llep(layer, llep_config_from_flags(args))
     return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=use_te, vp_stage=vp_stage)
 
 
@@ -269,8 +202,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         # Megatron-LM sets no_sync_func only with --overlap-grad-reduce (then DDP's no_sync); without it
         # DDP's no_sync would change nothing, and marking a step's earlier micro-batches tells LLEP which
         # backward is the step's last, from where kept gradients return behind the layers below
-        from megatron_llep.runtime.state import accumulating_gradients
-
         config.no_sync_func = accumulating_gradients
     model = GPTModel(
         config=config,
@@ -291,8 +222,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         pg_collection=pg_collection,
     )
     if args.llep_placement is not None:
-        from megatron_llep.integrations.placement import apply_placement
-
         if torch.cuda.is_available():  # the experts move between ranks over NCCL
             model.cuda(torch.cuda.current_device())
         apply_placement(model, _load_placement(args.llep_placement))
