@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_llep.writable import write_text  # noqa: E402
 from recipes.models import KIMI_K2_MOE_LAYER  # noqa: E402  (the recipe owns the Kimi-K2 layer shape)
 
 
@@ -117,7 +118,6 @@ def machine_info() -> dict:
 
 def write_results(path: str, benchmark: str, rows: list[dict], settings: dict) -> None:
     """One JSON file per run: what ran, where, when, and every row."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     payload = {
         "benchmark": benchmark,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -126,8 +126,7 @@ def write_results(path: str, benchmark: str, rows: list[dict], settings: dict) -
         "settings": settings,
         "rows": rows,
     }
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=_json_default)
+    write_text(path, json.dumps(payload, indent=1, default=_json_default))  # whole, or the previous file kept
     print(f"\nwrote {path}")
 
 

@@ -77,6 +77,7 @@ for _path in (ROOT, HERE):
 from megatron_llep.config import LLEPConfig  # noqa: E402  (pure: numpy only)
 from megatron_llep.cost_model import CostModel  # noqa: E402
 from megatron_llep.planner import LLEPPlan, plan_llep  # noqa: E402
+from megatron_llep.writable import write_text  # noqa: E402
 
 SECTIONS = ("grid", "correctness", "pipeline")
 GRID_SCENARIOS = ((0.0, 0), (0.95, 1), (0.95, 4), (0.95, 16))
@@ -258,10 +259,7 @@ class Recorder:
             "sections": self.sections(),
             "rows": self.rows,
         }
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1, default=_json_default)
-        os.replace(tmp, self.path)
+        write_text(self.path, json.dumps(payload, indent=1, default=_json_default))
 
 
 # ----------------------------------------------------------------------------------- timing
