@@ -321,9 +321,9 @@ _LEDGERS: dict[tuple[int, ...], KeptLedger] = {}
 
 
 def ledger_for(group: dist.ProcessGroup) -> KeptLedger:
-    """The ledger of an EP group, one per process (all its LLEP layers share the byte bound)."""
+    """The ledger of an EP group, one per process group (all its LLEP layers share the byte bound)."""
     ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _LEDGERS:
+    if ranks not in _LEDGERS or _LEDGERS[ranks].group is not group:  # a new group of these ranks: a fresh ledger
         _LEDGERS[ranks] = KeptLedger(group)
         _install_optimizer_hook()
         mcore.hook_ddp_gradient_sync(_count_no_sync, _before_ddp_sync, _after_ddp_built)

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_llep.config import LLEPConfig, LLEPConfigError
+from megatron_llep.config import LLEPConfig, LLEPConfigError, ignored_tuning_note, tuning_flags_given
 from megatron_llep.cost_model import CostModel
 from megatron_llep.metrics import STATS, budget_phrase, merge_layer_statistic
 
@@ -380,8 +380,12 @@ def install_llep_logging() -> None:
 
 
 def note_when_idle(args: argparse.Namespace) -> Optional[str]:
-    """A line for the user when ``--llep`` has nothing to do (EP = 1)."""
+    """A line for the user when LLEP has nothing to do: ``--llep`` at EP = 1, or LLEP knobs
+    (``--llep-*``; the placement aside, which plain EP uses too) without ``--llep``."""
     if args.llep and args.expert_model_parallel_size == 1:
         return "--llep with --expert-model-parallel-size 1: every expert is local, LLEP has no work (plain EP)"
+    if not args.llep:
+        given = tuning_flags_given(add_llep_args(argparse.ArgumentParser(add_help=False)), args)
+        return ignored_tuning_note([flag for flag in given if flag != "--llep-placement"], "is off without --llep")
     return None
 
