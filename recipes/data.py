@@ -548,7 +548,8 @@ def prompt_token_ids(record: dict, tokenizer: Tokenizer, where: str, chat_templa
 
 def jsonl_objects(path: str, what: str) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-blank line of a JSONL file; a line that is not UTF-8,
-    not JSON or not a JSON object is a one-line :class:`DataError` naming the file and line."""
+    not JSON, not a JSON object or holds half a surrogate pair (``"\\udcff"``) is a one-line
+    :class:`DataError` naming the file and line."""
     with _open_bytes(path, what) as f:
         for number, raw in enumerate(f, start=1):
             line = _decode_utf8(raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw, path, number)
@@ -561,6 +562,12 @@ def jsonl_objects(path: str, what: str) -> Iterator[tuple[str, dict]]:
                 raise DataError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object, got {json_type(row)}")
+            if "\\u" in line:  # an escape of half a UTF-16 pair is no text: no tokenizer or output file takes it
+                try:
+                    json.dumps(row, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise DataError(f"{where}: \\u{ord(err.object[err.start]):04x} is half of a UTF-16 surrogate pair, "
+                                    "not a character; write the character itself or its whole pair") from None
             yield where, row
 
 
