@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import sys
 import sysconfig
 import time
@@ -328,6 +329,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (CorpusError, OSError) as err:  # a write failed (OutputError): the last corpus is still there, whole
         print(f"[corpus] error: {err}", file=sys.stderr)
         raise SystemExit(1 if isinstance(err, OutputError) else 2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the staged files are gone already, the last corpus untouched
+        print(f"[corpus] stopped by SIGINT: nothing written to {args.out}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from typing import Iterator, Optional, Sequence
 
@@ -145,6 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (InputError, sft_data.DataError, OSError) as err:
         print(f"make_indexed_dataset: error: {err}", file=sys.stderr)
         raise SystemExit(1 if isinstance(err, OutputError) else 2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the staged files are gone already, the previous pair untouched
+        print(f"make_indexed_dataset: stopped by SIGINT: nothing written to {args.output_prefix}_text_document.*",
+              file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     print(f"wrote {prefix}.bin/.idx: {documents} documents, {tokens} tokens; train with --data-path {prefix} {flags}")
 
 

@@ -163,6 +163,29 @@ def test_an_unwritable_directory_is_one_line_naming_the_file(tmp_path):
     assert (tmp_path / "out.txt").read_text() == PREVIOUS
 
 
+def test_ctrl_c_in_the_single_process_tools_is_one_line_and_leaves_the_previous_files(tmp_path, capsys, monkeypatch):
+    from recipes import corpus, make_indexed_dataset
+
+    (tmp_path / "sft_text_document.bin").write_text(PREVIOUS)
+
+    def documents_then_ctrl_c(path, json_key=None):
+        yield "a document"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(make_indexed_dataset, "read_documents", documents_then_ctrl_c)
+    with pytest.raises(SystemExit) as exit_info:
+        make_indexed_dataset.main([DATA, "--output-prefix", str(tmp_path / "sft")])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == (f"make_indexed_dataset: stopped by SIGINT: nothing written to "
+                                       f"{tmp_path}/sft_text_document.*\n")
+    assert os.listdir(tmp_path) == ["sft_text_document.bin"] and (tmp_path / "sft_text_document.bin").read_text() == PREVIOUS
+    monkeypatch.setattr(corpus, "collect", lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(SystemExit) as exit_info:
+        corpus.main(["--out", str(tmp_path / "corpus")])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == f"[corpus] stopped by SIGINT: nothing written to {tmp_path}/corpus\n"
+
+
 # Checkpoints of other releases and loops ------------------------------------------------------------
 
 

@@ -333,8 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"--hf: {args.hf} is not a directory")
     if args.command == "export" and not os.path.isdir(args.load):
         parser.error(f"--load: {args.load} is not a directory")
-    if args.command == "export":
-        check_writable_directories(parser, [(args.out, "--out")])
+    check_writable_directories(parser, [(args.out, "--out")])  # import: its save directory, export: the HF files
     from recipes.cpu_warnings import quiet_known_cpu_warnings
 
     quiet_known_cpu_warnings()  # before the first Megatron-Core import
