@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from megatron_llep.writable import write_text  # noqa: E402
 from recipes.models import KIMI_K2_MOE_LAYER  # noqa: E402  (the recipe owns the Kimi-K2 layer shape)
 
 
@@ -120,8 +121,6 @@ def write_results(path: str, benchmark: str, rows: list[dict], settings: dict, c
     """One JSON file per run: what ran, where, when, and every row. Written atomically (a temporary
     file in the same directory, renamed over ``path``), so a run killed mid-write leaves the last
     whole file; ``complete=False`` rewrites it, quietly, while a run is still adding rows."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     payload = {
         "benchmark": benchmark,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -131,9 +130,7 @@ def write_results(path: str, benchmark: str, rows: list[dict], settings: dict, c
         "complete": complete,
         "rows": rows,
     }
-    with tempfile.NamedTemporaryFile("w", dir=directory, prefix=os.path.basename(path), suffix=".tmp", delete=False) as f:
-        json.dump(payload, f, indent=1, default=_json_default)
-    os.replace(f.name, path)
+    write_text(path, json.dumps(payload, indent=1, default=_json_default))  # whole, or the previous file kept
     if complete:
         print(f"\nwrote {path}")
 

@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from common import print_table, write_results
+from megatron_llep.writable import write_text
 from cpu_memory import malloc_for, peak_rss_rise
 
 MODES = ("EP", "LLEP", "ideal")
@@ -88,8 +89,7 @@ def _note_trace(bench: argparse.Namespace, path: str, domain: str, sequences: in
         sequences=sequences, seq_length=bench.seq_length, tokens=sequences * bench.seq_length, micro_batch_size=1,
         token_order="whole sequences back to back, in corpus order", expert_parallel_size=ep, mode="forward-only",
         date=time.strftime("%Y-%m-%d"))
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+    write_text(manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def main() -> None:

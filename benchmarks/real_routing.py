@@ -49,6 +49,7 @@ from megatron_llep.planning.cost_model import CostModel
 from megatron_llep.placement.metrics import Topology, load_imbalance
 from megatron_llep.placement.trace import RoutingTrace, clustered_topk, expert_counts, planted_clusters
 from megatron_llep.planning.scenarios import imbalanced_topk
+from megatron_llep.writable import write_text
 from recipes import routing_traces
 
 SEQUENCE_TOKENS = 256  # the traced model's sequence length: replay draws whole sequences
@@ -86,8 +87,8 @@ def write_stand_ins(directory: str, num_tokens: int, layers: tuple[int, ...], se
                    for n in layers}
             trace = RoutingTrace.from_expert_ids(64, ids, sampling="synthetic")
             trace.save(routing_traces.trace_path(model, domain, directory))
-    with open(os.path.join(directory, routing_traces.MANIFEST_FILE), "w") as f:
-        json.dump({"stand_in": True, "writer": "benchmarks/real_routing.py --smoke"}, f)
+    write_text(os.path.join(directory, routing_traces.MANIFEST_FILE),
+               json.dumps({"stand_in": True, "writer": "benchmarks/real_routing.py --smoke"}))
 
 
 def load_all(directory: str) -> dict[tuple[str, str], RoutingTrace]:

@@ -4,7 +4,8 @@ torchrun itself reports Ctrl-C / SIGTERM (slurm preemption) by raising ``SignalE
 failed worker by raising ``ChildFailedError``, each with a Python traceback; it has no option to
 turn them off. This wrapper runs torchrun's own ``main`` (its error-file handling included) and
 turns both into one line and the conventional exit status: 128 + the signal for a signal (the
-workers were sent it too and, with ``--save``, save and stop), the first failed worker's own
+workers were sent it too; the line says so where the entry point saves on it first: finetune.py with
+``--save``), the first failed worker's own
 status (e.g. 2 for a usage error) when a worker fails (a worker that ended because another died, exit
 status 75, is not the first: :func:`first_cause`). Workers' own messages are theirs.
 
@@ -17,6 +18,7 @@ and exit status 2 (torchrun would print a traceback or wait for a rendezvous tha
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import socket
 import sys
@@ -51,6 +53,21 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+SAVES_ON_SIGNAL = {
+    "finetune.py": ((signal.SIGTERM, signal.SIGINT), "recipes/finetune.py saves with --save, then stops"),
+    "pretrain_gpt.py": ((signal.SIGTERM,), "recipes/pretrain_gpt.py saves with --save and --exit-signal-handler, "
+                                           "then stops"),
+}
+"""The entry points that save when a signal stops them: the signals and what they do."""
+
+
+def _saving_on(argv: Optional[Sequence[str]], sig: signal.Signals) -> str:
+    """What the launched entry point does with ``sig`` when it saves on it (a parenthesised phrase), else ""."""
+    script = torchrun_args(list(argv) if argv is not None else sys.argv[1:]).training_script
+    signals, what = SAVES_ON_SIGNAL.get(os.path.basename(script), ((), ""))
+    return f" ({what})" if sig in signals else ""
 
 
 def rendezvous_problem(argv: Optional[Sequence[str]]) -> Optional[str]:
@@ -92,8 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         torchrun_main(list(argv) if argv is not None else None)
     except SignalException as err:
-        print(f"[torchrun] stopped by {err.sigval.name}: the workers got it too (recipes/finetune.py saves with "
-              "--save, then stops)", file=sys.stderr, flush=True)
+        print(f"[torchrun] stopped by {err.sigval.name}: the workers got it too{_saving_on(argv, err.sigval)}",
+              file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         rank, failure = first_cause(err)

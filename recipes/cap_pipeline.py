@@ -36,9 +36,8 @@ from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns at import time
 
-from megatron_llep.writable import creation_problem  # noqa: E402
 from recipes import evaluate, model_building  # noqa: E402
-from recipes.entry_point import EntryPoint, check_writable_directories  # noqa: E402
+from recipes.entry_point import EntryPoint, check_writable_directories, check_writable_files  # noqa: E402
 
 ENTRY = EntryPoint("cap_pipeline")
 
@@ -70,9 +69,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if args.lam is not None and not 0.0 <= args.lam <= 1.0:
         parser.error(f"--lambda must be within [0, 1], got {args.lam}")
-    problem = (f"{args.out} is a directory; give a file name" if os.path.isdir(args.out) else creation_problem(args.out))
-    if problem:
-        parser.error(f"--out: {problem}")
+    check_writable_files(parser, [(args.out, "--out")])
     check_writable_directories(parser, [(args.keep_traces, "--keep-traces")])
     return args
 
@@ -85,9 +82,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_llep import RoutingPruning
     from megatron_llep.runtime.state import STATS
     from megatron_llep.integrations.routing_traces import RoutingTraceRecorder
+    from megatron_llep.integrations.placement import profile_spectrum, restore_original_order
     from megatron_llep.placement import Topology, merge_traces, plan_trace, read_checkpoint_placement
-    from megatron_llep.integrations.placement import restore_original_order
-    from megatron_llep.integrations.placement import profile_spectrum
     from recipes import dashboard, finetune, watchdog
     from recipes import data as sft_data
 
@@ -115,9 +111,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                              source.iteration, load_meter)
     recorder.stop()
     local = recorder.trace()
-    if args.keep_traces:
-        os.makedirs(args.keep_traces, exist_ok=True)
-        local.save(os.path.join(args.keep_traces, f"trace_rank{rank}.npz"))
+    if args.keep_traces:  # a write failing on any rank ends the run in one line, the previous files untouched
+        kept = os.path.join(args.keep_traces, f"trace_rank{rank}.npz")
+        ENTRY.write_or_fail(lambda: local.save(kept, "--keep-traces"), rank)
     traces: list = [None] * world
     dist.all_gather_object(traces, local)
     trace = merge_traces(traces)
@@ -164,9 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         ENTRY.say(f"step 3/3: chose by lambda = {0.5 if args.lam is None else args.lam:g} (no timing; --profile auto "
                   "times the spectrum on this machine)")
-    if rank == 0:
-        placement.save(args.out)
-    dist.barrier()
+    ENTRY.write_or_fail(lambda: rank == 0 and placement.save(args.out, "--out"), rank)
     ENTRY.say(f"wrote {args.out} in {time.perf_counter() - started:.1f} s; serve with it: recipes/evaluate.py or "
               f"recipes/generate.py ... --placement {args.out}")
     summary = dict(out=args.out, selection="profile auto" if report else "lambda",

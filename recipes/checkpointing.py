@@ -41,8 +41,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron_llep.compat import mcore
 from megatron_llep.placement import (ExpertPlacement, read_checkpoint_placement, same_expert_order,
                                      write_checkpoint_placement)
+from megatron_llep.writable import fsync_directory, readable_bytes, write_text
 from recipes import parent_death, watchdog
-from recipes.dashboard import readable_bytes
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checkpoint_manifest.json"
@@ -51,6 +51,7 @@ _NO_MANIFEST = f"no {MANIFEST_FILE} (a save that did not finish, or not written 
 # torch.distributed.checkpoint's global metadata, written last by its coordinator: a manifest-less
 # checkpoint from before manifests existed is accepted only with it
 LEGACY_COMPLETE_MARK = ".metadata"
+COMMON_FILE = "common.pt"  # Megatron-Core up to 0.16 keeps a checkpoint's common state here, later in the shards
 _ITERATION_DIR = re.compile(r"iter_(\d+)")
 _STAGING_DIR = re.compile(r"iter_\d+\.tmp")
 _RANK_SHARD = re.compile(r"__(\d+)_\d+\.distcp$")  # torch_dist shard files: [prefix]__<writing rank>_<i>.distcp
@@ -202,25 +203,6 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    """Write ``path`` whole or not at all (a temporary file, fsync, rename, fsync of the directory)."""
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
-
-
 def write_manifest(directory: str, verify: str = "sha256") -> None:
     """Record every file of a finished save in ``directory/checkpoint_manifest.json``: its size and
     (``verify="sha256"``) SHA-256. Each rank hashes the shards it wrote; rank 0 writes the manifest,
@@ -237,7 +219,7 @@ def write_manifest(directory: str, verify: str = "sha256") -> None:
     dist.gather_object(mine, parts, dst=0)
     if rank == 0:
         files = dict(sorted((name, entry) for part in parts for name, entry in part.items()))
-        _write_atomically(os.path.join(directory, MANIFEST_FILE),
+        write_text(os.path.join(directory, MANIFEST_FILE),
                           json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1))
 
 
@@ -275,6 +257,42 @@ def _file_problem(directory: str, name: str, entry: dict, verify: str) -> Option
     return None
 
 
+def read_common_state(directory: str) -> dict[str, Any]:
+    """The common (not sharded) state of the checkpoint ``directory``: the iteration, this project's
+    ``run_info``, Megatron-LM's ``args``. :class:`CheckpointError` (one line) where this megatron-core
+    cannot read it, naming what can: Megatron-Core 0.17+ keeps it inside the shards (no common.pt),
+    which 0.16 cannot read."""
+    if mcore.MCORE_VERSION < mcore.Version("0.17") and not os.path.isfile(os.path.join(directory, COMMON_FILE)) \
+            and os.path.isfile(os.path.join(directory, "metadata.json")):
+        installed = f"megatron-core {mcore.MCORE_VERSION}"
+        if os.path.isfile(os.path.join(directory, MANIFEST_FILE)):
+            raise CheckpointError(f"{directory} was saved by megatron-core >= 0.17 (its common state is inside the "
+                                  f"shards, no {COMMON_FILE}), which {installed} cannot read: install megatron-core "
+                                  ">= 0.17 (docs/compat.md)")
+        raise CheckpointError(f"{directory} is a Megatron-LM checkpoint (recipes/pretrain_gpt.py; no {MANIFEST_FILE}, "
+                              f"its common state inside the shards): --pretrained reads it, with megatron-core >= 0.17; "
+                              f"{installed} cannot (docs/compat.md shows how to install 0.17+)")
+    try:
+        return dist_checkpointing.load_common_state_dict(directory)
+    except Exception as err:  # noqa: BLE001 - a damaged common state surfaces as torch/pickle/DCP errors
+        raise CheckpointError(f"{directory}: its common state cannot be read ({type(err).__name__}: "
+                              f"{_one_line(err)})") from None
+
+
+def read_run_state(directory: str) -> dict[str, Any]:
+    """:func:`read_common_state` of a checkpoint this project wrote (recipes/finetune.py, ``python -m
+    recipes.hf import``), which records its ``run_info``; :class:`CheckpointError` naming the flag that
+    reads any other (a Megatron-LM checkpoint: ``--pretrained``)."""
+    common = read_common_state(directory)
+    if "run_info" in common:
+        return common
+    if "args" in common:
+        raise CheckpointError(f"{directory} is a Megatron-LM checkpoint (recipes/pretrain_gpt.py): --pretrained reads "
+                              "it; --load reads checkpoints of recipes/finetune.py and python -m recipes.hf import")
+    raise CheckpointError(f"{directory} records no run_info (not written by recipes/finetune.py or python -m "
+                          "recipes.hf import)")
+
+
 def verify_checkpoint(directory: str, verify: str = "sha256") -> Optional[str]:
     """Why ``directory`` is not a complete checkpoint, or ``None`` if it is: its manifest missing or
     unreadable, or a listed file missing, of another size or (``verify="sha256"``) content. Every
@@ -285,7 +303,11 @@ def verify_checkpoint(directory: str, verify: str = "sha256") -> Optional[str]:
     if isinstance(manifest[0], str):
         if manifest[0] == _NO_MANIFEST and os.path.isfile(os.path.join(directory, LEGACY_COMPLETE_MARK)):
             # written before checkpoints carried a manifest (saves are staged in .tmp and renamed
-            # only after it now, so an iter_* directory without one is older): keep it loadable
+            # only after it now, so an iter_* directory without one is older): keep it loadable, if it
+            # is one of this project's (a Megatron-LM checkpoint of 0.17+, with its common state in the
+            # shards, has none either: named, not skipped)
+            if not os.path.isfile(os.path.join(directory, COMMON_FILE)):
+                read_run_state(directory)
             _say(f"{directory} has no {MANIFEST_FILE} (saved before checkpoints were verified): loading it unverified")
             return None
         return manifest[0]
@@ -444,8 +466,8 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(staging, final)
-            _fsync_directory(root)
-            _write_atomically(os.path.join(root, LATEST_FILE), str(progress.iteration))
+            fsync_directory(root)
+            write_text(os.path.join(root, LATEST_FILE), str(progress.iteration))
 
     sizes = [0] * dist.get_world_size()
     dist.all_gather_object(sizes, _bytes_to_write(state))
@@ -458,6 +480,44 @@ def save_checkpoint(
                     shutil.rmtree(final, ignore_errors=True)
             raise CheckpointSaveError(_save_failure_message(root, progress.iteration, staging, failure, sum(sizes)))
     return final
+
+
+@contextlib.contextmanager
+def agreed_saves() -> Iterator[None]:
+    """Inside the block, each synchronous ``dist_checkpointing.save`` another loop makes (Megatron-LM's,
+    into ``<save>/iter_XXXXXXX``) is agreed by every rank as :func:`save_checkpoint`'s are: a write that
+    fails on any rank (a full disk) removes the partial directory (rank 0; not one the "latest" file
+    names) and raises :class:`CheckpointSaveError` on every rank, before the loop records the save as
+    its latest. Collective."""
+    original = dist_checkpointing.save
+
+    def save(state: dict, directory: str, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("async_sharded_save"):  # its writes happen later, in another process
+            return original(state, directory, *args, **kwargs)
+        recorded: list[BaseException] = []
+        sizes = [0] * dist.get_world_size()
+        dist.all_gather_object(sizes, _bytes_to_write(state))
+        result = []
+
+        def write() -> None:
+            with mcore.recorded_checkpoint_write_errors(recorded):
+                result.append(original(state, directory, *args, **kwargs))
+
+        failure = _agreed_failure(write, recorded)
+        if not failure:
+            return result[0]
+        root, name = os.path.split(os.path.normpath(str(directory)))
+        match = _ITERATION_DIR.fullmatch(name)
+        iteration = int(match.group(1)) if match else -1
+        if dist.get_rank() == 0 and latest_iteration(root) != iteration:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise CheckpointSaveError(_save_failure_message(root, iteration, str(directory), failure, sum(sizes)))
+
+    dist_checkpointing.save = save
+    try:
+        yield
+    finally:
+        dist_checkpointing.save = original
 
 
 def _agreed_failure(step: Callable[[], None], recorded: list[BaseException]) -> Optional[str]:
@@ -528,8 +588,8 @@ def load_checkpoint(
     if not same_expert_order(saved_placement, placement):
         raise CheckpointError(f"{directory} stores experts in {'a CAP placement' if saved_placement else 'original order'}"
                               f" but this run uses {'a different placement' if placement else 'none'} (--placement)")
-    common = dist_checkpointing.load_common_state_dict(directory)
-    saved_info = common.get("run_info", {})
+    common = read_run_state(directory)
+    saved_info = common["run_info"]
     mismatched = {k: (saved_info.get(k), run_info.get(k)) for k in strict_keys if saved_info.get(k) != run_info.get(k)}
     if mismatched:
         details = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in mismatched.items())
@@ -538,6 +598,9 @@ def load_checkpoint(
     state = _sharded_state(model, optimizer, is_loading=True)
     if not same_world:  # RNG shards are per global rank; a resharded resume starts fresh RNG
         state.pop("rng_state")
+    mismatch = tensor_mismatch(state, directory)
+    if mismatch:
+        raise CheckpointError(f"{directory} does not hold this run's model: {mismatch}")
     loaded = dist_checkpointing.load(state, directory)
     model.module.load_state_dict(loaded["model"])
     with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
@@ -550,6 +613,26 @@ def load_checkpoint(
 
 
 
+def tensor_mismatch(state: dict[str, Any], directory: str) -> Optional[str]:
+    """How the model tensors of the sharded ``state`` (a ``{"model": ...}`` subtree is what is
+    compared) differ from those the checkpoint ``directory`` holds, in a phrase naming the first
+    tensor that differs in shape or is missing there (None: they match). Read from the checkpoint's
+    metadata, before a load that would fail with dist_checkpointing's exception."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = dist_checkpointing.load_tensors_metadata(directory)
+    for tensor in nested_values(state.get("model", state)):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        if tensor.key not in saved:
+            return f"the model built here has {tensor.key}, which {directory} lacks"
+        if tuple(saved[tensor.key].global_shape) != tuple(tensor.global_shape):
+            return (f"{tensor.key} has shape {tuple(saved[tensor.key].global_shape)} in {directory}, "
+                    f"{tuple(tensor.global_shape)} in the model built here")
+    return None
+
+
 def load_model_weights(directory: str, model) -> None:
     """Only the model weights of the checkpoint ``directory`` (from :func:`find_checkpoint`) into
     ``model`` (DDP-wrapped or bare), for evaluation, generation and benchmarks: no optimizer, schedule
@@ -557,7 +640,11 @@ def load_model_weights(directory: str, model) -> None:
     The experts land in the order the checkpoint stores them (see :func:`load_checkpoint`). Collective."""
     watchdog.progress(f"loading the model weights of {directory}")
     module = getattr(model, "module", model)
-    loaded = dist_checkpointing.load({"model": module.sharded_state_dict(metadata=SHARDING_METADATA)}, directory)
+    state = {"model": module.sharded_state_dict(metadata=SHARDING_METADATA)}
+    mismatch = tensor_mismatch(state, directory)
+    if mismatch:
+        raise CheckpointError(f"{directory} does not hold the model rebuilt from what it records: {mismatch}")
+    loaded = dist_checkpointing.load(state, directory)
     module.load_state_dict(loaded["model"])
 
 

@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import sys
 import sysconfig
 import time
@@ -43,6 +44,8 @@ from dataclasses import asdict, dataclass
 from typing import Iterator, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_llep.writable import OutputError, StagedOutputs, directory_problem  # noqa: E402
 
 DOMAINS = ("code", "prose", "legal")
 SPLITS = ("train", "valid", "test")
@@ -169,9 +172,11 @@ def collect(min_chars: int = 200) -> tuple[list[Document], list[SourceFile]]:
     return docs, files
 
 
-def train_tokenizer(docs: Sequence[Document], vocab_size: int, out_dir: str) -> str:
-    """A byte-level BPE tokenizer (``tokenizers``) trained on the train split of every domain; returns
-    the tokenizer.json path. The trainer is deterministic for a fixed input order."""
+def train_tokenizer(docs: Sequence[Document], vocab_size: int, out_dir: str, outputs: StagedOutputs) -> str:
+    """A byte-level BPE tokenizer (``tokenizers``) trained on the train split of every domain, staged in
+    ``outputs`` as ``out_dir``/tokenizer.json (with its tokenizer_config.json); returns the staged
+    tokenizer.json to read until ``outputs`` is committed. The trainer is deterministic for a fixed
+    input order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -180,14 +185,13 @@ def train_tokenizer(docs: Sequence[Document], vocab_size: int, out_dir: str) -> 
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator((d.text for d in docs if d.split == "train"), trainer=trainer)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "tokenizer.json")
-    tokenizer.save(path)
+    staged = outputs.stage(os.path.join(out_dir, "tokenizer.json"))
+    tokenizer.save(staged.temporary)
     # transformers' AutoTokenizer (Megatron's HuggingFaceTokenizer) reads the directory with this
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+    with outputs.open(os.path.join(out_dir, "tokenizer_config.json")) as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[1],
                    "eos_token": SPECIAL_TOKENS[0]}, f, indent=1)
-    return path
+    return staged.temporary
 
 
 def _versions() -> dict[str, str]:
@@ -220,46 +224,69 @@ def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_split: Optiona
     if missing:
         raise CorpusError(f"no training documents for domain(s) {missing} in this Python's files")
     log(f"[corpus] {len(docs)} documents from {len(files)} files; training a {vocab_size}-token BPE tokenizer")
-    tokenizer_path = train_tokenizer(docs, vocab_size, os.path.join(out, "tokenizer"))
-    tokenizer = sft_data.load_tokenizer(tokenizer_path)
-    splits: dict[str, dict] = {}
-    for domain in DOMAINS:
-        for split in SPLITS:
-            chosen = [d for d in docs if d.domain == domain and d.split == split]
-            if not chosen:
-                continue
-            jsonl = os.path.join(out, f"{domain}_{split}.jsonl")
-            with open(jsonl, "w", encoding="utf-8") as f:
-                for d in chosen:
-                    f.write(json.dumps({"text": d.text, "source": d.source}, ensure_ascii=False) + "\n")
-            prefix, n_docs, n_tokens = build_indexed_dataset(jsonl, os.path.join(out, "indexed", f"{domain}_{split}"),
-                                                             tokenizer_path)
-            splits[f"{domain}_{split}"] = dict(documents=n_docs, tokens=n_tokens, characters=sum(len(d.text) for d in chosen),
-                                               prefix=os.path.relpath(prefix, out))
-            log(f"[corpus] {domain}/{split}: {n_docs} documents, {n_tokens:,} tokens")
-    tokens_by_source = {}
-    for d in docs:
-        key = d.source.split("#")[0]
-        tokens_by_source[key] = tokens_by_source.get(key, 0) + len(tokenizer.encode(d.text)) + 1
-    manifest = dict(
-        versions=_versions(), vocab_size=tokenizer.vocab_size, split_percent=SPLIT_PERCENT,
-        megatron_tokenizer_flags=megatron_tokenizer_flags(tokenizer_path).replace(os.path.abspath(out), "<corpus>"),
-        null_tokenizer_flags=f"--tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
-                             f"--null-tokenizer-eod-id {tokenizer.eos_id}",
-        tokenizer_sha256=hashlib.sha256(open(tokenizer_path, "rb").read()).hexdigest(),
-        max_docs_per_split=max_docs_per_split, splits=splits,
-        files=[dict(asdict(f), tokens=tokens_by_source.get(f.path, 0)) for f in files],
-    )
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    with StagedOutputs("--out") as outputs:  # every file whole, committed together: a failure keeps the last corpus
+        tokenizer_path = train_tokenizer(docs, vocab_size, os.path.join(out, "tokenizer"), outputs)
+        tokenizer = sft_data.load_tokenizer(tokenizer_path)
+        splits: dict[str, dict] = {}
+        for domain in DOMAINS:
+            for split in SPLITS:
+                chosen = [d for d in docs if d.domain == domain and d.split == split]
+                if not chosen:
+                    continue
+                jsonl = outputs.stage(os.path.join(out, f"{domain}_{split}.jsonl"))
+                with open(jsonl.temporary, "w", encoding="utf-8") as f:
+                    for d in chosen:
+                        f.write(json.dumps({"text": d.text, "source": d.source}, ensure_ascii=False) + "\n")
+                prefix, n_docs, n_tokens = build_indexed_dataset(
+                    jsonl.temporary, os.path.join(out, "indexed", f"{domain}_{split}"), tokenizer_path, outputs=outputs)
+                splits[f"{domain}_{split}"] = dict(documents=n_docs, tokens=n_tokens,
+                                                   characters=sum(len(d.text) for d in chosen),
+                                                   prefix=os.path.relpath(prefix, out))
+                log(f"[corpus] {domain}/{split}: {n_docs} documents, {n_tokens:,} tokens")
+        tokens_by_source = {}
+        for d in docs:
+            key = d.source.split("#")[0]
+            tokens_by_source[key] = tokens_by_source.get(key, 0) + len(tokenizer.encode(d.text)) + 1
+        manifest = dict(
+            versions=_versions(), vocab_size=tokenizer.vocab_size, split_percent=SPLIT_PERCENT,
+            megatron_tokenizer_flags=megatron_tokenizer_flags(tokenizer_path).replace(os.path.abspath(out), "<corpus>"),
+            null_tokenizer_flags=f"--tokenizer-type NullTokenizer --vocab-size {tokenizer.vocab_size} "
+                                 f"--null-tokenizer-eod-id {tokenizer.eos_id}",
+            tokenizer_sha256=hashlib.sha256(open(tokenizer_path, "rb").read()).hexdigest(),
+            max_docs_per_split=max_docs_per_split, splits=splits,
+            files=[dict(asdict(f), tokens=tokens_by_source.get(f.path, 0)) for f in files],
+        )
+        with outputs.open(os.path.join(out, "manifest.json")) as f:
+            json.dump(manifest, f, indent=1)
     log(f"[corpus] wrote {out} in {time.perf_counter() - start:.0f} s")
     return manifest
 
 
+def read_manifest(path: str) -> dict:
+    """The corpus manifest ``path`` (``--check``); CorpusError naming the file and the field when it
+    is not one :func:`build` wrote."""
+    from recipes import data as sft_data
+
+    try:
+        want = sft_data.read_json_object(path, "corpus manifest")
+    except sft_data.DataError as err:
+        raise CorpusError(f"--check {err}; give the manifest.json python -m recipes.corpus wrote") from None
+    fields = {"vocab_size": int, "files": list, "tokenizer_sha256": str}
+    wrong = [name for name, kind in fields.items() if not isinstance(want.get(name), kind)]
+    if not isinstance(want.get("max_docs_per_split", None), (int, type(None))):
+        wrong.append("max_docs_per_split")
+    if not wrong and not all(isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str)
+                             for f in want["files"]):
+        wrong.append("files[].path/sha256")
+    if wrong:
+        raise CorpusError(f"--check {path}: not a corpus manifest ({', '.join(wrong)} missing or of the wrong type); "
+                          "give the manifest.json python -m recipes.corpus wrote")
+    return want
+
+
 def check(manifest_path: str, out: str, log=print) -> list[str]:
     """Rebuild into ``out`` and compare with ``manifest_path``: the differences, one line each."""
-    with open(manifest_path) as f:
-        want = json.load(f)
+    want = read_manifest(manifest_path)
     got = build(out, want["vocab_size"], want.get("max_docs_per_split"), log=log)
     problems = []
     old = {f["path"]: f for f in want["files"]}
@@ -288,9 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.error(f"--max-docs-per-split must be positive, got {args.max_docs_per_split}")
     if args.check and not os.path.isfile(args.check):
         parser.error(f"--check: {args.check} is not a file")
-    from megatron_llep.writable import creation_problem
-
-    problem = creation_problem(os.path.join(args.out, "manifest.json"))
+    problem = directory_problem(args.out)
     if problem:
         parser.error(f"--out: {problem}; give a writable directory")
     try:
@@ -301,9 +326,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"[corpus] {'matches' if not problems else f'{len(problems)} difference(s) from'} {args.check}")
             raise SystemExit(1 if problems else 0)
         build(args.out, args.vocab_size, args.max_docs_per_split)
-    except (CorpusError, OSError) as err:
+    except (CorpusError, OSError) as err:  # a write failed (OutputError): the last corpus is still there, whole
         print(f"[corpus] error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1 if isinstance(err, OutputError) else 2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the staged files are gone already, the last corpus untouched
+        print(f"[corpus] stopped by SIGINT: nothing written to {args.out}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron_llep.compat import mcore
 from megatron_llep.runtime.state import STATS
 from megatron_llep.runtime.statistics import budget_phrase, merge_layer_statistic, pruning_metrics
+from megatron_llep.writable import readable_bytes
 
 
 def peak_memory_bytes() -> int:
@@ -187,14 +188,6 @@ def llep_summary(metrics: dict[str, float]) -> str:
             f"{spilled:.0f} tokens spilled, {weight_kib:.0f} KiB weights, plan {plan_ms:.2f} ms"
             + (f", {budget}" if budget else ""))
 
-
-
-def readable_bytes(count: float) -> str:
-    """``count`` bytes in GiB, MiB, KiB or B, one decimal."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count:.0f} B"
 
 
 def pruning_summary(metrics: dict[str, float], pruning: Optional[Any] = None,

@@ -148,7 +148,7 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def _json_type(value: object) -> str:
+def json_type(value: object) -> str:
     """A JSON value's kind as the file's author wrote it ("null", "a number", ...), for messages."""
     if value is None:
         return "null"
@@ -306,14 +306,16 @@ def _template_token(value: object) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def _read_json_object(path: str, what: str) -> dict:
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in ``path`` (``what`` it holds, for messages); DataError naming the file (and
+    line) when it is not UTF-8, not JSON or not an object."""
     text = _read_text(path, what)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
     if not isinstance(value, dict):
-        raise DataError(f"{path}: expected the {what} as a JSON object, got {_json_type(value)}")
+        raise DataError(f"{path}: expected the {what} as a JSON object, got {json_type(value)}")
     return value
 
 
@@ -324,7 +326,7 @@ def load_chat_template(directory: str) -> Optional[ChatTemplate]:
     ``{"name", "template"}`` of which ``default`` is used). Template variables: the special tokens of
     ``tokenizer_config.json`` (else ``special_tokens_map.json``)."""
     config_path = os.path.join(directory, "tokenizer_config.json")
-    config = _read_json_object(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
+    config = read_json_object(config_path, "tokenizer config") if os.path.isfile(config_path) else {}
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(jinja_path):
         template, source = _read_text(jinja_path, "chat template"), jinja_path
@@ -338,9 +340,9 @@ def load_chat_template(directory: str) -> Optional[ChatTemplate]:
         if template is None:
             return None
         if not isinstance(template, str):
-            raise DataError(f"{config_path}: 'chat_template' must be a string, got {_json_type(template)}")
+            raise DataError(f"{config_path}: 'chat_template' must be a string, got {json_type(template)}")
     special_map_path = os.path.join(directory, "special_tokens_map.json")
-    special_map = _read_json_object(special_map_path, "special tokens map") if os.path.isfile(special_map_path) else {}
+    special_map = read_json_object(special_map_path, "special tokens map") if os.path.isfile(special_map_path) else {}
     variables = {}
     for name in _TEMPLATE_TOKENS:
         value = _template_token(config.get(name))
@@ -360,7 +362,7 @@ def _check_messages(messages: object, where: str) -> list[dict]:
         if message["role"] not in CHAT_ROLES:
             raise DataError(f"{where}: messages[{i}] has role {message['role']!r}; use one of {', '.join(CHAT_ROLES)}")
         if not isinstance(message["content"], str):
-            raise DataError(f"{where}: messages[{i}].content must be a string, got {_json_type(message['content'])}")
+            raise DataError(f"{where}: messages[{i}].content must be a string, got {json_type(message['content'])}")
     return messages
 
 
@@ -449,13 +451,13 @@ def _byte_tokenizer(spec: dict, path: str) -> ByteTokenizer:
     specials = spec.get("special_tokens", {})
     if not isinstance(specials, dict):
         raise DataError(f"{path}: 'special_tokens' must be an object like {{\"bos\": 256, \"eos\": 257}}, "
-                        f"got {_json_type(specials)}")
+                        f"got {json_type(specials)}")
     values = {"special_tokens.bos": specials.get("bos", 256), "special_tokens.eos": specials.get("eos", 257),
               "vocab_size": spec.get("vocab_size", 258)}
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 256:
             raise DataError(f"{path}: '{name}' must be an integer >= 256 (ids 0..255 are the bytes), "
-                            f"got {_json_type(value)}")
+                            f"got {json_type(value)}")
     bos, eos, vocab_size = values.values()
     if bos == eos or max(bos, eos) >= vocab_size:
         raise DataError(f"{path}: BOS {bos} and EOS {eos} must be distinct ids below 'vocab_size' {vocab_size}")
@@ -468,13 +470,13 @@ def load_tokenizer(path: str) -> Tokenizer:
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise DataError(f"tokenizer not found: the directory {path} has no tokenizer.json")
         path = os.path.join(path, "tokenizer.json")
-    spec = _read_json_object(path, "tokenizer")
+    spec = read_json_object(path, "tokenizer")
     if spec.get("type") == "bytes":
         return _byte_tokenizer(spec, path)
     if "model" in spec:
         if not isinstance(spec["model"], dict):
             raise DataError(f"{path}: 'model' must be an object like {{\"type\": \"BPE\", \"vocab\": {{...}}, ...}}, "
-                            f"got {_json_type(spec['model'])}; use the tokenizer.json the model was released with")
+                            f"got {json_type(spec['model'])}; use the tokenizer.json the model was released with")
         return HuggingFaceTokenizer(path, chat_template=load_chat_template(os.path.dirname(os.path.abspath(path))))
     raise DataError(f"{path}: neither a byte tokenizer ({{\"type\": \"bytes\"}}) nor a Hugging Face tokenizer.json")
 
@@ -491,7 +493,7 @@ def _tokenize_sample(row: dict, tokenizer: Tokenizer, where: str) -> tuple[list[
 
     def add(text: object, train: bool, field_name: str) -> None:
         if not isinstance(text, str):
-            raise DataError(f"{where}: field {field_name!r} must be a string, got {_json_type(text)}")
+            raise DataError(f"{where}: field {field_name!r} must be a string, got {json_type(text)}")
         piece = tokenizer.encode(text)
         ids.extend(piece)
         mask.extend([train] * len(piece))
@@ -525,7 +527,7 @@ def prompt_token_ids(record: dict, tokenizer: Tokenizer, where: str, chat_templa
         raise DataError(f"{where}: a prompt record needs either 'prompt' (a string) or 'messages' (a list), "
                         f"got fields {sorted(record)}")
     if "prompt" in record and not isinstance(record["prompt"], str):
-        raise DataError(f"{where}: field 'prompt' must be a string, got {_json_type(record['prompt'])}")
+        raise DataError(f"{where}: field 'prompt' must be a string, got {json_type(record['prompt'])}")
     template = getattr(tokenizer, "chat_template", None) if chat_template else None
     if template is not None:
         messages = _check_messages(record["messages"], where) if "messages" in record else \
@@ -546,7 +548,8 @@ def prompt_token_ids(record: dict, tokenizer: Tokenizer, where: str, chat_templa
 
 def jsonl_objects(path: str, what: str) -> Iterator[tuple[str, dict]]:
     """``("file:line", record)`` for every non-blank line of a JSONL file; a line that is not UTF-8,
-    not JSON or not a JSON object is a one-line :class:`DataError` naming the file and line."""
+    not JSON, not a JSON object or holds half a surrogate pair (``"\\udcff"``) is a one-line
+    :class:`DataError` naming the file and line."""
     with _open_bytes(path, what) as f:
         for number, raw in enumerate(f, start=1):
             line = _decode_utf8(raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw, path, number)
@@ -558,7 +561,13 @@ def jsonl_objects(path: str, what: str) -> Iterator[tuple[str, dict]]:
             except json.JSONDecodeError as err:
                 raise DataError(f"{where}: not valid JSON ({err.msg})") from None
             if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {_json_type(row)}")
+                raise DataError(f"{where}: expected a JSON object, got {json_type(row)}")
+            if "\\u" in line:  # an escape of half a UTF-16 pair is no text: no tokenizer or output file takes it
+                try:
+                    json.dumps(row, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise DataError(f"{where}: \\u{ord(err.object[err.start]):04x} is half of a UTF-16 surrogate pair, "
+                                    "not a character; write the character itself or its whole pair") from None
             yield where, row
 
 

@@ -2,9 +2,11 @@
 its supervision) do alike: report usage errors and bad input once per job (rank 0's line, exit status
 2, no traceback), say what a long phase is doing, start the process group (NCCL on GPUs, gloo with the
 CPU compatibility layer on CPU), the watchdog that ends a job whose ranks stopped making progress, and
-end in one line, not a traceback, when another rank died (:meth:`EntryPoint.ending_cleanly`) or when a
-signal stopped the run (:meth:`EntryPoint.stopped_by`). A rank started by torchrun stops (SIGTERM) when
-torchrun dies (recipes/parent_death.py).
+end in one line, not a traceback, when another rank died (:meth:`EntryPoint.ending_cleanly`), when a
+signal stopped the run (:meth:`EntryPoint.stopped_by`; Ctrl-C ends a rank as SIGTERM does where the run
+has no handler of its own) or when an output could not be written (:meth:`EntryPoint.write_or_fail`:
+megatron_llep/writable.py writes every output whole or leaves the previous one). A rank started by
+torchrun stops (SIGTERM) when torchrun dies (recipes/parent_death.py).
 
 Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):
 :class:`EntryPoint` holds it.
@@ -20,12 +22,12 @@ import os
 import signal
 import sys
 import time
-from typing import Iterator, NoReturn, Optional, Sequence, TextIO
+from typing import Callable, Iterator, NoReturn, Optional, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
 
-from megatron_llep.writable import creation_problem
+from megatron_llep.writable import OutputError, directory_problem, file_problem
 from recipes import parent_death
 
 # seconds a rank other than 0 waits, after finding a usage error, for the launcher to end it once rank 0
@@ -54,6 +56,18 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
 
+def utf8_text(text: str) -> str:
+    """argparse ``type`` of a free-text flag (a prompt, a run name): its bytes must be UTF-8. Python
+    keeps other bytes of a command line as lone surrogates, which no output file or tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = text.encode("utf-8", "surrogateescape")[len(text[:err.start].encode("utf-8"))]
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 (byte 0x{byte:02x} at character {err.start + 1}): "
+                                         "give the text in UTF-8") from None
+    return text
+
+
 def check_numeric_domains(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: Sequence[str],
                           non_negative: Sequence[str] = ()) -> None:
     """Usage error for a numeric flag outside its domain (nan and infinities included), checked before
@@ -76,21 +90,29 @@ def check_existing_files(parser: argparse.ArgumentParser, paths: Sequence[tuple[
             parser.error(f"{flag}: {path} is a directory; give the file")
 
 
-def unwritable(directory: str) -> Optional[str]:
-    """Why files could not be written under ``directory`` (None: they can): tried with a real file,
-    which also catches read-only mounts and immutable directories."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        return f"{directory} is a file, not a directory"
-    # the directory itself when it exists (a probe file goes into it), else where it will be created
-    return creation_problem(os.path.join(directory, "probe") if os.path.isdir(directory) else directory)
-
-
 def check_writable_directories(parser: argparse.ArgumentParser, directories: Sequence[tuple[Optional[str], str]]) -> None:
-    """Usage error for a ``(directory, flag)`` output directory that cannot be created or written."""
+    """Usage error for a ``(directory, flag)`` output directory that cannot be created or written
+    (tried with a real file, which also catches read-only mounts and immutable directories)."""
     for directory, flag in directories:
-        problem = directory and unwritable(directory)
+        problem = directory and directory_problem(directory)
         if problem:
             parser.error(f"{flag}: {problem}; give a writable directory")
+
+
+def check_writable_files(parser: argparse.ArgumentParser, files: Sequence[tuple[Optional[str], str]]) -> None:
+    """Usage error for a ``(file, flag)`` output file that is a directory or cannot be created."""
+    for path, flag in files:
+        problem = path and file_problem(path)
+        if problem:
+            parser.error(f"{flag}: {problem}")
+
+
+def interrupt_like_terminate() -> None:
+    """Ctrl-C (SIGINT) ends this rank as SIGTERM does (at once, without Python's KeyboardInterrupt
+    traceback from every rank), where the run has no handler of its own for it: torchrun, which got it
+    too, says in one line that the job was stopped. finetune.py installs its own later (it saves first)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.getsignal(signal.SIGTERM))
 
 
 class EntryPoint:
@@ -116,9 +138,12 @@ class EntryPoint:
     def fail(self, err: Exception, rank: int, status: int = 2) -> NoReturn:
         """An error found on every rank alike: one message (rank 0's), no traceback, exit ``status``
         (2: bad input; 1: a run that failed, e.g. a save on a full disk)."""
+        from recipes import watchdog
+
         del rank  # every rank finds it; rank 0 reports it and the launcher ends the others
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's SIGTERM ends us, whatever the run set
         wait_for_rank_zero_report()
+        watchdog.claim_report()  # the others, losing their connection to this rank, stay quiet
         print(f"[{self.name}] error: {err}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -129,6 +154,7 @@ class EntryPoint:
         compatibility layer on CPU. ``timeout``: how long a collective may wait (None: torch's default)."""
         from recipes.launch_env import rendezvous_env_from_slurm
 
+        interrupt_like_terminate()
         try:
             rendezvous_env_from_slurm()
         except ValueError as err:  # inconsistent SLURM_* variables
@@ -140,12 +166,14 @@ class EntryPoint:
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
             dist.init_process_group("nccl", timeout=timeout)
+            dist.barrier()
             return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank)
         from megatron_llep.testing import cpu_gloo
 
         cpu_gloo.enable()
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         dist.init_process_group("gloo", timeout=timeout)
+        dist.barrier()  # every rank connected: one that fails at once cannot cut a peer off mid-connection
         return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
 
     def start(self, watchdog_timeout: Optional[float]) -> tuple[int, int, torch.device]:
@@ -167,6 +195,7 @@ class EntryPoint:
         makes no progress. Start-up is a long phase until the first :func:`recipes.watchdog.progress`."""
         from recipes import watchdog
 
+        interrupt_like_terminate()
         parent_death.follow_launcher()
         if watchdog_timeout:
             watchdog.Watchdog(watchdog_timeout, rank, world, label=self.name).start()
@@ -190,6 +219,8 @@ class EntryPoint:
             line = watchdog.lost_peer_line(err)
             if line is None:
                 raise
+            if line and not watchdog.supervised():  # no heartbeat says who died: most likely rank 0, which says why
+                wait_for_rank_zero_report()
             watchdog.end_after_lost_peer(f"[{self.name}] error: {line}" if line else None)
 
     def stopped_by(self, signum: int, iteration: int, checkpoint: Optional[str], save: Optional[str],
@@ -204,6 +235,38 @@ class EntryPoint:
             how = "not saved (no --save): its progress is lost"
         self.say(f"stopped by {signal.Signals(signum).name} after iteration {iteration}: {how}", file=sys.stderr)
         raise SystemExit(128 + signum)
+
+    def lock_save_directory(self, directory: str, rank: int, flag: str = "--save") -> None:
+        """One run per save directory (recipes/save_lock.py): rank 0 takes ``directory``'s lock and
+        every rank learns whether it could; when another run holds it, one line and exit status 2
+        (1 when the lock cannot be written). Collective."""
+        from recipes import save_lock
+
+        problem: list[Optional[tuple[str, int]]] = [None]
+        if rank == 0:
+            try:
+                save_lock.acquire(directory, self.say, flag)
+            except (save_lock.SaveDirectoryInUse, OSError) as err:
+                problem[0] = (str(err), 1 if isinstance(err, OutputError) else 2)
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0]:
+            self.fail(RuntimeError(problem[0][0]), rank, status=problem[0][1])
+
+    def write_or_fail(self, write: Callable[[], None], rank: int) -> None:
+        """This rank's part of writing the run's outputs (``write`` may write nothing on this rank),
+        agreed by every rank: a write that failed on any rank (:class:`OutputError`: a full disk, an
+        unwritable directory; the partial file removed, the previous one untouched) ends the run on
+        every rank with rank 0's one line naming the file, exit status 1. Collective."""
+        failure = None
+        try:
+            write()
+        except OutputError as err:
+            failure = str(err)
+        failures: list[Optional[str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        first = next((line for line in failures if line), None)
+        if first:
+            self.fail(RuntimeError(first), rank, status=1)
 
     def finish(self) -> None:
         """End a run that went well: the watchdog, Megatron's process groups and the process group."""

@@ -100,13 +100,12 @@ def _data_format(parser: argparse.ArgumentParser, path: str) -> str:
 def read_indexed_documents(prefix: str, max_tokens: Optional[int] = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """The documents of a Megatron indexed dataset in file order (each already ends with its
     end-of-document id), every token with loss; reading stops once ``max_tokens`` are in."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from recipes import pretrain_checks
 
-    try:
-        dataset = IndexedDataset(prefix)
-    except Exception as err:  # noqa: BLE001 - a damaged .idx surfaces as struct/numpy/assert errors
-        raise sft_data.DataError(f"--data {prefix}: not a readable Megatron indexed dataset "
-                                 f"({type(err).__name__}: {err})") from None
+    try:  # a .bin or .idx cut short is named here, as pretrain_gpt.py names it
+        dataset = pretrain_checks.open_indexed_dataset(prefix)
+    except (ValueError, OSError) as err:
+        raise sft_data.DataError(f"--data {prefix}: {str(err).removeprefix(f'data prefix {prefix}: ')}") from None
     documents, tokens = [], 0
     for index in range(len(dataset)):
         ids = np.asarray(dataset[index], dtype=np.int64)

@@ -157,6 +157,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     check_existing_files(parser, [(args.data, "--data"), (args.valid_data, "--valid-data"),
                                   (args.tokenizer, "--tokenizer")], directories_allowed=["--tokenizer"])
     check_writable_directories(parser, [(args.save, "--save")])
+    model_building.check_wandb_arguments(parser, args)
     # --load == --save with nothing there yet: the first run of a resumable job (train() says so)
     load_is_save = args.load is not None and args.save is not None and \
         os.path.realpath(args.load) == os.path.realpath(args.save)
@@ -363,18 +364,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     rank, world, device = ENTRY.start(args.watchdog_timeout)
     is_logger = rank == world - 1  # holds the last pipeline stage (and its loss)
-    if args.save:  # one run per save directory (recipes/save_lock.py): rank 0 holds it, every rank learns
-        from recipes import save_lock
-
-        problem = [None]
-        if rank == 0:
-            try:
-                save_lock.acquire(args.save, ENTRY.say)
-            except (save_lock.SaveDirectoryInUse, OSError) as err:
-                problem[0] = str(err)
-        dist.broadcast_object_list(problem, src=0)
-        if problem[0]:
-            ENTRY.fail(ConfigError(problem[0]), rank)
+    if args.save:
+        ENTRY.lock_save_directory(args.save, rank)
     try:
         resume_from = checkpointing.find_checkpoint(args.load, args.checkpoint_verify, allow_none=bool(
             args.save and os.path.realpath(args.load) == os.path.realpath(args.save))) if args.load else None
@@ -393,11 +384,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     resuming = resume_from is not None
     if args.load and not resuming:  # --load == --save with nothing saved yet: the first run of a resumable job
         _progress(rank, f"nothing to resume in {args.load} yet: starting from scratch (later runs resume from it)")
+    start_flag = "--pretrained" if args.pretrained else "--hf-checkpoint" if args.hf_checkpoint else None
+    if resuming and start_flag:
+        ENTRY.say(f"note: {start_flag} {args.pretrained or args.hf_checkpoint} is ignored: resuming from {resume_from}, "
+                  f"whose weights continue the run ({start_flag} gives the starting weights of a run's first start)")
 
     model_building.initialize_model_parallel(layout, args.seed)
     try:
         placement = model_building.load_placement(args.placement) if args.placement else None
-        _progress(rank, f"building {f'the model of {args.pretrained}' if args.pretrained else args.recipe}: about {estimate.parameters / 1e6:,.1f} M parameters and "
+        built = f"the model of {resume_from}" if resuming else f"the model of {args.pretrained}" if args.pretrained \
+            else args.recipe
+        _progress(rank, f"building {built}: about {estimate.parameters / 1e6:,.1f} M parameters and "
                         f"{estimate.total_bytes / 2**30:,.2f} GiB with gradients and optimizer state per rank")
         recipe, model, optimizer, scheduler = build(args, layout, device, tokenizer.vocab_size, placement, hf_config,
                                                     import_hf=None if resuming else args.hf_checkpoint,
@@ -542,7 +539,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     watchdog.progress("the end of the run")
     if args.save and progress.iteration != checkpointing.latest_iteration(args.save):
         last_saved = _save(args, model, optimizer, scheduler, progress, run_info, placement, is_logger)
-    model_building.save_routing_trace(recorder, args, rank, layout["ep"], ENTRY.say)
+    model_building.save_routing_trace(recorder, args, rank, layout["ep"], ENTRY)
     wandb_board.finish()
     if is_logger:
         steps = progress.iteration - first_iteration

@@ -46,7 +46,7 @@ quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns
 
 from recipes import data as sft_data  # noqa: E402
 from recipes import model_building, model_sources  # noqa: E402
-from recipes.entry_point import EntryPoint, RankZeroArgumentParser, check_existing_files  # noqa: E402
+from recipes.entry_point import EntryPoint, RankZeroArgumentParser, check_existing_files, utf8_text  # noqa: E402
 from recipes.logits import mtp_skipped  # noqa: E402
 
 ENTRY = EntryPoint("generate")
@@ -58,7 +58,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     prompts = parser.add_argument_group("prompts")
     prompts.add_argument("--prompts", default=None, metavar="FILE",
                          help='JSONL, one {"prompt": text} or {"messages": [{"role", "content"}, ...]} per line')
-    prompts.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+    prompts.add_argument("--prompt", action="append", default=[], metavar="TEXT", type=utf8_text,
                          help="a prompt (repeatable; after those of --prompts)")
     prompts.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                          help="feed prompts as raw text after BOS even when the tokenizer has a chat template")
@@ -213,10 +213,15 @@ def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
     tokenizer = model_sources.load_tokenizer(args, ENTRY, rank)
     try:
         prompts = read_prompts(args, tokenizer)
+        if args.top_k is not None and args.top_k > tokenizer.vocab_size:
+            raise sft_data.DataError(f"--top-k {args.top_k} exceeds the {tokenizer.vocab_size} tokens of the tokenizer "
+                                     f"{args.tokenizer}: give at most {tokenizer.vocab_size}")
     except sft_data.DataError as err:
         ENTRY.fail(err, rank)
     longest = max(len(ids) for _, ids in prompts)
     args.seq_length = longest + args.max_new_tokens  # the longest sequence the model sees (checked against it)
+    args.seq_length_source = (f"the longest prompt ({longest} tokens) plus --max-new-tokens {args.max_new_tokens}",
+                              "shorten the prompt or lower --max-new-tokens")
     recipe, model, layout = model_sources.build(args, source, ENTRY, rank, world, device, tokenizer.vocab_size)
     layers = model_building.moe_layers(model)
     recorder = model_building.start_routing_trace(model, args, rank)

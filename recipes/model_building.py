@@ -20,10 +20,11 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_llep.config import LLEPConfig, LLEPConfigError, PRUNING_METHODS, RoutingPruning
+from megatron_llep.config import PRUNING_METHODS, LLEPConfig, LLEPConfigError, RoutingPruning
+from megatron_llep.integrations.flags import ignored_tuning_note, tuning_flags_given
 from megatron_llep.planning.cost_model import CostModel
 from recipes import watchdog
-from recipes.entry_point import check_existing_files, check_writable_directories
+from recipes.entry_point import EntryPoint, check_existing_files, check_writable_directories, utf8_text
 from recipes.models import RECIPES
 
 # the LLEPConfig field each LLEP flag sets (its validation messages name the flag)
@@ -94,11 +95,18 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_wandb_arguments(group: argparse._ArgumentGroup, default_name: str, default_directory: str) -> None:
     """The wandb flags; ``default_name`` / ``default_directory`` describe the defaults in the help."""
-    group.add_argument("--wandb-project", default=None, help="enable wandb logging (offline unless --wandb-mode online)")
-    group.add_argument("--wandb-exp-name", default=None, help=f"default: {default_name}")
+    group.add_argument("--wandb-project", default=None, type=utf8_text,
+                       help="enable wandb logging (offline unless --wandb-mode online)")
+    group.add_argument("--wandb-exp-name", default=None, type=utf8_text, help=f"default: {default_name}")
     group.add_argument("--wandb-save-dir", default=None, help=f"default: {default_directory}")
     group.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], default=None,
                        help="default: $WANDB_MODE, else offline")
+
+
+def check_wandb_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage error for a ``--wandb-save-dir`` that is a file or cannot be written (wandb, on the last
+    rank, would fail there with a traceback)."""
+    check_writable_directories(parser, [(args.wandb_save_dir, "--wandb-save-dir")])
 
 
 def add_llep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +193,8 @@ def check_llep_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
                    max_kept_weight_bytes=args.llep_max_kept_weight_bytes)
     except LLEPConfigError as err:
         parser.error(err.for_flag(LLEP_FLAGS[err.knob]))
+    args.ignored_llep_note = None if args.llep else ignored_tuning_note(tuning_flags_given(parser, args),
+                                                                          "--no-llep turns off")  # build_model says it
     if args.force_routing is not None:
         try:
             fraction, hot = args.force_routing.split(":")
@@ -274,10 +284,14 @@ def without_mtp(hf_config: dict) -> dict:
 
 
 def saved_run_info(directory: str) -> dict:
-    """The ``run_info`` a fine-tuning checkpoint ``directory`` records (empty if none)."""
-    from megatron.core import dist_checkpointing
+    """The ``run_info`` the fine-tuning checkpoint ``directory`` records (:class:`ConfigError` naming
+    the checkpoint where it cannot be read or is none of this project's)."""
+    from recipes import checkpointing
 
-    return dist_checkpointing.load_common_state_dict(directory).get("run_info", {})
+    try:
+        return checkpointing.read_run_state(directory)["run_info"]
+    except checkpointing.CheckpointError as err:
+        raise ConfigError(str(err)) from None
 
 
 def megatron_lm_arguments_for(args: argparse.Namespace, checkpoint: Optional[str] = None) -> Optional[argparse.Namespace]:
@@ -318,8 +332,9 @@ def make_recipe(args: argparse.Namespace, hf_config: Optional[dict] = None, **kw
     try:
         return family.recipe_from_hf_config(hf_config, name, **kwargs)
     except ValueError as err:  # ConversionError: one line naming the config.json field
-        source = args.hf_checkpoint or f"the config.json recorded in {args.load}"
-        raise ConfigError(f"--hf-checkpoint {source}: {err}") from None
+        source = getattr(args, "hf_config_source", None) or (
+            f"--hf-checkpoint {args.hf_checkpoint}" if args.hf_checkpoint else f"the config.json recorded in {args.load}")
+        raise ConfigError(f"{source}: {err}") from None
 
 
 def parallel_layout(args: argparse.Namespace, world: int, num_experts: int) -> dict[str, int]:
@@ -408,7 +423,10 @@ def build_model(args: argparse.Namespace, layout: dict[str, int], device: torch.
     if vocab_needed > recipe.vocab_size:
         raise ConfigError(f"the tokenizer has {vocab_needed} ids but {recipe.name}'s vocabulary is {recipe.vocab_size}")
     if args.seq_length > recipe.max_sequence_length:
-        raise ConfigError(f"--seq-length {args.seq_length} exceeds {recipe.name}'s {recipe.max_sequence_length}")
+        # generate.py has no --seq-length: its sequences are the longest prompt plus --max-new-tokens
+        length, fix = getattr(args, "seq_length_source", ("--seq-length", "lower --seq-length"))
+        raise ConfigError(f"{length} = {args.seq_length} tokens exceeds {recipe.name}'s longest sequence, "
+                          f"{recipe.max_sequence_length} tokens: {fix}")
     if args.force_routing and not recipe.config.moe_enable_routing_replay:
         raise ConfigError("--force-routing needs Megatron's router replay (moe_enable_routing_replay), on in CPU recipes")
     if args.force_routing and args.force_routing[1] > recipe.config.num_moe_experts:
@@ -438,6 +456,8 @@ def build_model(args: argparse.Namespace, layout: dict[str, int], device: torch.
         _import_pretrained(import_pretrained, model, say)
     if placement is not None:  # before DDP and an optimizer: they keep per-parameter buffers and state
         apply_placement(model, placement, args.placement, say)
+    if getattr(args, "ignored_llep_note", None):
+        say(f"note: {args.ignored_llep_note}")
     if args.llep and layout["ep"] == 1:
         say("LLEP has no work at EP=1 (every expert is on every rank): this runs as plain EP; use 2+ "
             "expert-parallel ranks for LLEP to balance")
@@ -541,16 +561,15 @@ def start_routing_trace(model: torch.nn.Module, args: argparse.Namespace, rank: 
     return RoutingTraceRecorder(model, max_tokens_per_layer=args.trace_tokens_per_layer, seed=args.seed + rank).start()
 
 
-def save_routing_trace(recorder, args: argparse.Namespace, rank: int, ep_size: int, say: Callable[[str], None]) -> None:
+def save_routing_trace(recorder, args: argparse.Namespace, rank: int, ep_size: int, entry: EntryPoint) -> None:
     """Write this rank's trace to ``--record-routing-trace``/trace_rank<r>.npz (nothing without a
-    recorder) and say how to plan a placement from the traces. Collective."""
+    recorder; a write that fails on any rank ends the run in one line: ``entry``'s
+    :meth:`~recipes.entry_point.EntryPoint.write_or_fail`) and say how to plan a placement from the
+    traces. Collective."""
     if recorder is None:
         return
-    import torch.distributed as dist
-
     recorder.stop()
-    os.makedirs(args.record_routing_trace, exist_ok=True)
-    recorder.trace().save(os.path.join(args.record_routing_trace, f"trace_rank{rank}.npz"))
-    dist.barrier()
-    say(f"routing traces in {args.record_routing_trace}; plan a placement with: python -m megatron_llep.placement "
-        f"plan {args.record_routing_trace}/trace_rank*.npz --ep-size {ep_size} --out placement.json")
+    path = os.path.join(args.record_routing_trace, f"trace_rank{rank}.npz")
+    entry.write_or_fail(lambda: recorder.trace().save(path, "--record-routing-trace"), rank)
+    entry.say(f"routing traces in {args.record_routing_trace}; plan a placement with: python -m megatron_llep.placement "
+              f"plan {args.record_routing_trace}/trace_rank*.npz --ep-size {ep_size} --out placement.json")

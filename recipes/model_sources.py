@@ -26,10 +26,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_llep.writable import creation_problem
+from megatron_llep.writable import write_text
 from recipes import data as sft_data
 from recipes import model_building
-from recipes.entry_point import EntryPoint, check_existing_files, check_numeric_domains
+from recipes.entry_point import EntryPoint, check_existing_files, check_numeric_domains, check_writable_files
 from recipes.model_building import ConfigError
 
 SOURCE_FLAGS = ("--load", "--pretrained", "--hf-checkpoint", "--random-init")
@@ -91,10 +91,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, p
     model_building.check_llep_arguments(parser, args, recipe_is_known=args.random_init)
     model_building.check_pruning_arguments(parser, args, placement_uses_cost)
     check_existing_files(parser, [(args.tokenizer, "--tokenizer")], directories_allowed=["--tokenizer"])
-    problem = args.output and (f"{args.output} is a directory; give a file name" if os.path.isdir(args.output)
-                               else creation_problem(args.output))
-    if problem:
-        parser.error(f"--output: {problem}")
+    check_writable_files(parser, [(args.output, "--output")])
+    model_building.check_wandb_arguments(parser, args)
 
 
 @dataclass
@@ -119,8 +117,6 @@ class ModelSource:
 def open_source(args: argparse.Namespace, entry: EntryPoint, rank: int) -> ModelSource:
     """Find ``--load``'s checkpoint (verified; the recipe and tokenizer of its run become the defaults)
     and settle ``args.tokenizer``. One line and exit 2 on a missing or damaged checkpoint. Collective."""
-    from megatron.core import dist_checkpointing
-
     from recipes import checkpointing
 
     source = ModelSource()
@@ -128,12 +124,9 @@ def open_source(args: argparse.Namespace, entry: EntryPoint, rank: int) -> Model
         entry.progress(rank, f"finding the checkpoint in {args.load}")
         try:
             source.checkpoint = checkpointing.find_checkpoint(args.load, args.checkpoint_verify)
-            common = dist_checkpointing.load_common_state_dict(source.checkpoint)
-            source.run_info, source.iteration = common.get("run_info", {}), int(common.get("iteration", 0))
+            common = checkpointing.read_run_state(source.checkpoint)
+            source.run_info, source.iteration = common["run_info"], int(common.get("iteration", 0))
             recorded = source.run_info.get("recipe")
-            if recorded is None:
-                raise ConfigError(f"--load {source.checkpoint} records no run_info (not written by recipes/finetune.py "
-                                  "or python -m recipes.hf import)")
             if args.recipe is not None and args.recipe != recorded:
                 raise ConfigError(f"--recipe {args.recipe} contradicts the recipe {recorded} the checkpoint "
                                   f"{source.checkpoint} was trained with; drop --recipe")
@@ -194,7 +187,7 @@ def build(args: argparse.Namespace, source: ModelSource, entry: EntryPoint, rank
             elif saved is not None:
                 entry.say(f"the experts stay in the CAP placement the checkpoint was saved in "
                           f"({source.checkpoint}/expert_placement.json)")
-    except ConfigError as err:
+    except (ConfigError, checkpointing.CheckpointError) as err:
         entry.fail(err, rank)
     model.eval()
     return recipe, model, layout
@@ -216,12 +209,11 @@ def publish(args: argparse.Namespace, entry: EntryPoint, rank: int, ep_size: int
     """End a run: its routing traces saved (``--record-routing-trace``), ``metrics`` logged to wandb at
     the checkpoint's iteration (``--wandb-project``), ``output_text`` written to ``--output`` (rank 0),
     the process group closed. Collective."""
-    model_building.save_routing_trace(recorder, args, rank, ep_size, entry.say)
+    model_building.save_routing_trace(recorder, args, rank, ep_size, entry)
     wandb_board = wandb_dashboard(args, entry.name, model_name, source.run_info)
     wandb_board.log(source.iteration, metrics)
     wandb_board.finish()
-    if args.output and rank == 0:
-        with open(args.output, "w") as f:
-            f.write(output_text)
+    if args.output:  # rank 0 writes; a failure ends every rank in one line, the previous file untouched
+        entry.write_or_fail(lambda: rank == 0 and write_text(args.output, output_text, "--output"), rank)
         entry.say(f"wrote {args.output} ({time.perf_counter() - started:.1f} s with start-up)")
     entry.finish()

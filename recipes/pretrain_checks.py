@@ -10,7 +10,8 @@ every rank (or a crash minutes later):
 * :func:`check_load`: a ``--load`` directory holding a checkpoint of recipes/finetune.py, which
   Megatron-LM's loop cannot read;
 * :func:`check_save`: a ``--save`` directory that cannot be written, or whose disk has less free
-  space than one checkpoint of the model needs;
+  space than one checkpoint of the model needs; :func:`check_output_directories`: a
+  ``--tensorboard-dir``, ``--wandb-save-dir`` or ``--data-cache-path`` that cannot be written;
 * :func:`check_data`: every data prefix's ``.bin``/``.idx`` (present, the index consistent with
   the ``.bin``'s size) and its token ids against the tokenizer's vocabulary.
 
@@ -20,6 +21,7 @@ Each raises ``ValueError`` with a one-line message.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import shutil
@@ -131,13 +133,41 @@ def checkpoint_bytes(args: argparse.Namespace, vocab_size: int) -> tuple[int, in
     return parameters, parameters * (weight + optimizer)
 
 
-def check_writable(directory: str) -> None:
-    """``--save``: a directory files can be created in (a real file is tried), or can be created."""
-    from recipes.entry_point import unwritable
+def save_directories(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Every ``(directory, flag)`` Megatron-LM's loop will save checkpoints into, from its parsed
+    arguments: ``--save``, the non-persistent checkpoint directories, and ``--ckpt-convert-save``
+    (a ``--load`` run that converts a checkpoint saves there, under ``--ckpt-convert-format``)."""
+    found = [(args.save, "--save")]
+    kind = getattr(args, "non_persistent_ckpt_type", None)
+    if kind == "global":
+        found.append((getattr(args, "non_persistent_global_ckpt_dir", None), "--non-persistent-global-ckpt-dir"))
+    elif kind == "local":
+        found.append((getattr(args, "non_persistent_local_ckpt_dir", None), "--non-persistent-local-ckpt-dir"))
+    if getattr(args, "ckpt_convert_format", None) and getattr(args, "ckpt_convert_save", None):
+        found.append((os.path.join(args.ckpt_convert_save, args.ckpt_convert_format), "--ckpt-convert-save"))
+    return [(directory, flag) for directory, flag in found if directory]
 
-    problem = unwritable(directory)
+
+def check_writable(directory: str, flag: str = "--save") -> None:
+    """``--save``: a directory files can be created in (a real file is tried), or can be created."""
+    from megatron_llep.writable import directory_problem
+
+    problem = directory_problem(directory)
     if problem:
-        raise ValueError(f"--save {directory}: {problem}; give a directory this run can write")
+        raise ValueError(f"{flag} {directory}: {problem}; give a directory this run can write")
+
+
+OUTPUT_DIRECTORY_FLAGS = ("tensorboard_dir", "wandb_save_dir", "data_cache_path")
+"""Megatron-LM's flags of directories it writes into besides checkpoints (TensorBoard and wandb
+runs, on the last rank; the dataset index cache)."""
+
+
+def check_output_directories(args: argparse.Namespace) -> None:
+    """Each of :data:`OUTPUT_DIRECTORY_FLAGS` given: a directory this run can write (a file, a
+    read-only one, would fail on one rank deep inside Megatron-LM)."""
+    for name in OUTPUT_DIRECTORY_FLAGS:
+        if getattr(args, name, None):
+            check_writable(getattr(args, name), f"--{name.replace('_', '-')}")
 
 
 def check_save(args: argparse.Namespace, vocab_size: int) -> None:
@@ -217,8 +247,9 @@ def max_token_id(path: str, dtype: np.dtype, budget: int) -> tuple[int, bool]:
     return max(int(tokens[start:start + window].max()) for start in starts), whole
 
 
-def _indexed_files(prefix: str) -> tuple[np.dtype, int]:
-    """``prefix``'s token dtype and ``.bin`` size, once both files exist and the index matches the ``.bin``."""
+def check_indexed_files(prefix: str) -> tuple[np.dtype, int]:
+    """``prefix``'s token dtype and ``.bin`` size, once both files exist and the index matches the
+    ``.bin`` (``ValueError`` naming the file otherwise)."""
     for suffix in (".bin", ".idx"):
         if not os.path.isfile(prefix + suffix):
             raise ValueError(f"data prefix {prefix}: {prefix + suffix} does not exist "
@@ -232,12 +263,37 @@ def _indexed_files(prefix: str) -> tuple[np.dtype, int]:
     return dtype, size
 
 
+@functools.cache
+def _indexed_dataset_class() -> type:
+    """Megatron's IndexedDataset, whose ``__del__`` does nothing for an index that failed to load
+    (Megatron's would report the attributes it never set: "Exception ignored in ... __del__")."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    class LoadedIndexedDataset(IndexedDataset):
+        def __del__(self) -> None:
+            if "bin_reader" in self.__dict__ and "index" in self.__dict__:
+                super().__del__()
+
+    return LoadedIndexedDataset
+
+
+def open_indexed_dataset(prefix: str):
+    """Megatron's IndexedDataset of ``prefix`` once :func:`check_indexed_files` passed; ``ValueError``
+    (one line naming the files) when they are missing, cut short or do not load."""
+    check_indexed_files(prefix)
+    try:
+        return _indexed_dataset_class()(prefix)
+    except Exception as err:  # noqa: BLE001 - a damaged index surfaces as struct/numpy/assert errors
+        raise ValueError(f"{prefix}.bin/.idx: not a readable Megatron indexed dataset ({type(err).__name__}: "
+                         f"{err}); copy or build both files again") from None
+
+
 def check_data(prefixes: Sequence[str], vocab_size: int, vocabulary: str, say: Callable[[str], None]) -> None:
     """Each prefix's ``.bin``/``.idx``: present, the index whole and matching the ``.bin``'s size (a
     truncated copy or a write cut short), and no token id outside the vocabulary of ``vocab_size``
     ids (``vocabulary`` says where that number comes from), which would index past the embedding."""
     try:
-        indexed = [(prefix, *_indexed_files(prefix)) for prefix in prefixes]
+        indexed = [(prefix, *check_indexed_files(prefix)) for prefix in prefixes]
         total = sum(size for *_, size in indexed)
         for prefix, dtype, size in indexed:
             if size == 0:

@@ -87,7 +87,8 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """This script's checks (one-line ``ValueError``; recipes/pretrain_checks.py): forced routing,
-    ``--load``, ``--save`` and the data prefixes."""
+    ``--load``, the directories Megatron-LM writes logs and caches into, ``--save`` and the data
+    prefixes."""
     from megatron_llep.compat import megatron_training
     from recipes import pretrain_checks
 
@@ -101,6 +102,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--force-routing F:H needs 0 <= F <= 1 and 1 <= H <= --num-experts, got {args.force_routing}")
         args.moe_enable_routing_replay = True  # becomes the TransformerConfig field the model is built with
     pretrain_checks.check_load(args)
+    pretrain_checks.check_output_directories(args)
     prefixes = [] if args.mock_data else pretrain_checks.data_prefixes(args)
     if not args.mock_data and not prefixes:
         raise ValueError("no data: give --data-path PREFIX (.bin/.idx from recipes/make_indexed_dataset.py), "
@@ -291,8 +293,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except ValueError as err:
         _fail(str(err))
     sys.argv = [sys.argv[0], *argv]
-    if "--save" in argv[:-1] and _rank() == 0:  # one run per save directory, as in fine-tuning
-        _lock_save_directory(argv[argv.index("--save") + 1])
     if "--wandb-project" in argv and "WANDB_MODE" not in os.environ:
         # Megatron-LM's wandb.init goes online and fails without a key; the other entry points default to offline
         os.environ["WANDB_MODE"] = "offline"
@@ -328,21 +328,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     _report_signal_stop()
 
 
-def _lock_save_directory(directory: str) -> None:
-    """Rank 0 takes ``--save``'s lock (recipes/save_lock.py), once it knows the directory is writable."""
+def _lock_save_directories(args: argparse.Namespace) -> None:
+    """One run per save directory, as in fine-tuning: rank 0 takes the lock (recipes/save_lock.py) of
+    every directory the parsed arguments will save into (any spelling of the flags), once it knows
+    the directory is writable."""
     from recipes import pretrain_checks, save_lock
 
+    if _rank() != 0:
+        return
     try:
-        pretrain_checks.check_writable(directory)
-        save_lock.acquire(directory, _say)
-    except (ValueError, OSError) as err:  # SaveDirectoryInUse is a ValueError
+        for directory, flag in pretrain_checks.save_directories(args):
+            pretrain_checks.check_writable(directory, flag)
+            save_lock.acquire(directory, _say, flag)
+    except (ValueError, OSError) as err:  # SaveDirectoryInUse is a ValueError, OutputError an OSError
         _fail(str(err))
 
 
 def _precheck_parsed_args(args: argparse.Namespace) -> None:
-    """Flags Megatron-LM's validation would refuse with a bare assertion, named (a usage error ends the run)."""
+    """The save directories' locks, then the flags Megatron-LM's validation would refuse with a bare
+    assertion, named (a usage error ends the run)."""
     from recipes import pretrain_checks
 
+    _lock_save_directories(args)
     try:
         pretrain_checks.precheck_args(args)
     except ValueError as err:
@@ -354,15 +361,20 @@ def _checkpoint_saving(iteration: int, async_save: bool) -> Iterator[None]:
     """Around each of Megatron-LM's checkpoint saves: a long watchdog phase, and no process of this rank
     left behind if it is killed meanwhile: Megatron-Core's result Manager (~300 MB, and the resource
     tracker it starts) is not made for a synchronous save, and forked writers die with the rank. An
-    asynchronous save keeps the Manager (its writer process reports through it)."""
+    asynchronous save keeps the Manager (its writer process reports through it). A synchronous save
+    that fails on any rank (a full disk) leaves no partial ``iter_*`` directory and the "latest" file
+    as it was, and ends the run in one line from rank 0 (exit status 1)."""
     from megatron_llep.compat import mcore
     from recipes import checkpointing
 
     watchdog.progress(f"saving iteration {iteration}", long=True)
     if not async_save:
         mcore.collect_checkpoint_writes_in_process()
-    with checkpointing.writers_die_with_this_process():
-        yield
+    try:
+        with checkpointing.writers_die_with_this_process(), checkpointing.agreed_saves():
+            yield
+    except checkpointing.CheckpointSaveError as err:  # the run stops: going on would train what cannot be saved
+        ENTRY.fail(err, _rank(), status=1)
     watchdog.progress(f"after saving iteration {iteration}")
 
 

@@ -50,15 +50,30 @@ def checkpoint_directory(path: str) -> str:
     return directory
 
 
+def _megatron_lm_problem() -> Optional[str]:
+    """Why Megatron-LM checkpoints cannot be read here (None: they can): megatron.training, which
+    megatron-core ships from 0.17 on, rebuilds their model and reads their format."""
+    from megatron_llep.compat.megatron_training import missing_reason
+
+    reason = missing_reason()
+    if reason is None:
+        return None
+    return (f"Megatron-LM checkpoints (recipes/pretrain_gpt.py), which --pretrained reads, need megatron-core >= 0.17: "
+            f"{reason}; docs/compat.md shows how to install it on Python 3.11")
+
+
 def saved_arguments(path: str) -> argparse.Namespace:
     """The Megatron-LM command line recorded in the checkpoint at ``path`` (save root or ``iter_*``)."""
-    from megatron.core import dist_checkpointing
+    from recipes.checkpointing import CheckpointError, read_common_state
 
+    problem = _megatron_lm_problem()
+    if problem:
+        raise PretrainedError(f"--pretrained {path}: {problem}")
     directory = checkpoint_directory(path)
     try:
-        common = dist_checkpointing.load_common_state_dict(directory)
-    except Exception as err:  # noqa: BLE001 - a damaged common.pt surfaces as various torch/pickle errors
-        raise PretrainedError(f"--pretrained {directory}: cannot read its common state ({type(err).__name__}: {err})") from None
+        common = read_common_state(directory)
+    except CheckpointError as err:
+        raise PretrainedError(f"--pretrained: {err}") from None
     args = common.get("args")
     if not isinstance(args, argparse.Namespace):
         raise PretrainedError(f"--pretrained {directory}: the checkpoint records no Megatron-LM arguments "
@@ -89,12 +104,9 @@ class PretrainedRecipe(Recipe):
 def recipe_from_arguments(saved: argparse.Namespace, ep_size: int = 1, tp_size: int = 1, pp_size: int = 1,
                           dtype: torch.dtype = torch.float32, cpu: bool = True, source: Optional[str] = None) -> Recipe:
     """The model Megatron-LM built from ``saved``, at this run's parallel layout and precision."""
-    from megatron_llep.compat.megatron_training import missing_reason
-
-    reason = missing_reason()
-    if reason:
-        raise PretrainedError(f"--pretrained rebuilds the model with Megatron-LM's argument conversion, which needs "
-                              f"megatron-core >= 0.17: {reason} (docs/compat.md shows how to install it on Python 3.11)")
+    problem = _megatron_lm_problem()
+    if problem:
+        raise PretrainedError(f"--pretrained {source}: {problem}")
     from megatron.training.arguments import core_transformer_config_from_args
 
     args = copy.copy(saved)

@@ -208,6 +208,21 @@ def lost_peer_line(error: BaseException) -> Optional[str]:
     return _active.lost_peer(connection)
 
 
+def claim_report() -> None:
+    """This rank tells the job why it ends, in a line it prints now: the other ranks, which lose their
+    connection to it next, stay quiet (:func:`lost_peer_line` returns ``""``). Nothing without a
+    running watchdog."""
+    if _active is not None:
+        store = _active._connect()
+        if store is not None:
+            _active._claim(store)
+
+
+def supervised() -> bool:
+    """Whether this process runs a watchdog (its heartbeats name a peer that died)."""
+    return _active is not None
+
+
 def end_after_lost_peer(line: Optional[str]) -> NoReturn:
     """End this rank because another rank died: ``line`` (None or "": another rank says it) on stderr, the
     Python exit handlers (save lock, wandb), then ``os._exit(LOST_PEER_EXIT_CODE)``. Not a normal

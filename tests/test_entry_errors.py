@@ -64,6 +64,14 @@ def test_non_utf8_bytes_are_named_by_line_and_column(tmp_path):
     assert bytes(ids[1:-1].tolist()).decode() == "café"
 
 
+def test_half_a_surrogate_pair_is_named_by_line(tmp_path):
+    """JSON lets ``\\udcff`` through, but no tokenizer or output file takes half a UTF-16 pair; a whole pair is text."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"text": "\\ud83d\\ude00 fine"}\n{"text": "caf\\udce9"}\n')
+    _one_line_error(read_sft_jsonl, str(path), ByteTokenizer(),
+                    match=f"{path}:2: \\udce9 is half of a UTF-16 surrogate pair, not a character; write the character")
+
+
 def test_data_directory_is_called_a_directory(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"text": "x"}\n')
     message = _one_line_error(read_sft_jsonl, str(tmp_path), ByteTokenizer(), match=f"data {tmp_path} is a directory")

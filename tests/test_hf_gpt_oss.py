@@ -293,7 +293,7 @@ def test_cli_usage_errors_exit_2(tmp_path):
     result = _run(["-m", "recipes.hf", "export", "--load", str(tmp_path), "--out", "x", "--bogus"])
     assert result.returncode == 2 and "unrecognized arguments: --bogus" in result.stderr
     (tmp_path / "file").write_text("")
-    for out, message in ((tmp_path / "file", "is a file; give a directory"), ("/proc/hf_out", "--out: ")):
+    for out, message in ((tmp_path / "file", "is a file, not a directory"), ("/proc/hf_out", "--out: ")):
         result = _run(["-m", "recipes.hf", "export", "--load", str(tmp_path), "--out", str(out)])
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 

@@ -7,7 +7,8 @@ recipes/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
   result Manager and its resource tracker are never started), and the survivor's line names it;
 * SIGSTOP of a pretraining rank: its watchdog names it (Megatron-LM's collective timeout is above it);
 * kill -9 of torchrun: the ranks save and stop;
-* SIGTERM to the ranks themselves: they save, say how to resume, and exit 143.
+* SIGTERM to the ranks themselves: they save, say how to resume, and exit 143;
+* Ctrl-C during generation: the launcher's one line, exit 130.
 
 The pretraining tests need megatron.training (megatron-core >= 0.17) and skip without it.
 """
@@ -31,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(ROOT, "launch", "torchrun.py")
 FINETUNE = os.path.join(ROOT, "recipes", "finetune.py")
 PRETRAIN = os.path.join(ROOT, "recipes", "pretrain_gpt.py")
+GENERATE = os.path.join(ROOT, "recipes", "generate.py")
 FINETUNE_ARGS = ["--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "100000"]
 PRETRAIN_STEP_2 = " iteration        2/"  # Megatron-LM's progress line after the second step
 
@@ -207,6 +209,21 @@ def test_the_ranks_of_a_killed_torchrun_save_and_stop(tmp_path):
     stops = [line for line in job.stderr().splitlines() if line.startswith("[finetune] stopped by")]
     assert stops == [_stop_line("finetune", ckpt, iteration)], job.stderr()[-3000:]
     assert "Traceback" not in job.stderr()
+
+
+def test_ctrl_c_during_generation_ends_in_the_launchers_one_line(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group: the launcher and every rank) while generate.py decodes:
+    the ranks end as SIGTERM ends them, without KeyboardInterrupt tracebacks, gloo errors or Megatron-Core's
+    faulthandler stack dumps, and the launcher's one line does not speak of fine-tuning's --save."""
+    with Job(tmp_path, GENERATE, "--random-init", "--prompt", "hi", "--max-new-tokens", "400") as job:
+        job.wait_for("Megatron-Core's static inference engine")
+        for pid in (job.proc.pid, job.rank(0), job.rank(1)):
+            os.kill(pid, signal.SIGINT)
+        assert job.wait() == 128 + signal.SIGINT, job.stderr()[-3000:]
+    stderr = job.stderr()
+    assert stderr.splitlines()[-1] == "[torchrun] stopped by SIGINT: the workers got it too", stderr[-3000:]
+    for noise in ("Traceback", "KeyboardInterrupt", "Stack (most recent call first)", "[rank", "Gloo", "error:"):
+        assert noise not in stderr, (noise, stderr[-3000:])
 
 
 # --- the pieces, in this process ------------------------------------------------------------------------

@@ -269,6 +269,10 @@ def test_llep_flags_map_onto_llep_config():
         assert llep_config_from_flags(_llep_flags("--llep-max-kept-weight-bytes", given)).max_kept_weight_bytes == kept
     assert note_when_idle(_llep_flags("--llep")) is None
     assert "no work" in note_when_idle(_llep_flags("--llep", "--expert-model-parallel-size", "1"))
+    # knobs without --llep do nothing, and say so (the placement is plain EP's too)
+    assert note_when_idle(_llep_flags()) is None and note_when_idle(_llep_flags("--llep-placement", "p.json")) is None
+    assert note_when_idle(_llep_flags("--llep-alpha", "2", "--no-llep-cost-aware")) == (
+        "--llep-alpha, --no-llep-cost-aware tune LLEP, which is off without --llep: they do nothing in this plain-EP run")
 
 
 @pytest.mark.parametrize("argv, message", [

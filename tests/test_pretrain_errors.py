@@ -1,12 +1,12 @@
 """recipes/pretrain_gpt.py answers common mistakes in one line naming the flag or file (exit status 2,
 printed once, by rank 0, no traceback), found before Megatron-LM starts the process group: a parallel
 layout the processes cannot fill, experts EP cannot split, a sequence longer than the position
-embeddings, truncated or corrupt .bin/.idx files, a --save directory that cannot be written or whose
-disk is too small, --save without --save-interval, a --load of a fine-tuning checkpoint, token ids
-outside the vocabulary, and whatever else Megatron-LM's argument validation asserts.
+embeddings, truncated or corrupt .bin/.idx files, a --save (or --wandb-save-dir, ...) directory that
+cannot be written or whose disk is too small, --save without --save-interval, a --load of a fine-tuning
+checkpoint, token ids outside the vocabulary, and whatever else Megatron-LM's argument validation asserts.
 
 The cases run the real entry point's ``main`` on 2 gloo ranks, all in one torchrun launch
-(tests/pretrain_errors_worker.py, Megatron-LM imported once); one also runs as its own job through
+(tests/entry_cases_worker.py, Megatron-LM imported once); one also runs as its own job through
 launch/torchrun.py. Needs megatron.training (megatron-core >= 0.17): skipped on 0.16."""
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def refused(tmp_path_factory) -> dict:
         "idx_truncated": [*good, "--data-path", _copy_dataset(data, str(out / "cut_idx"), cut_idx=20)],
         "idx_not_an_index": [*good, "--data-path", _copy_dataset(data, str(out / "bad_idx"), idx_head=b"NOTANIDX!")],
         "save_file": [*good, "--data-path", data, "--save", str(out / "a_file"), "--save-interval", "2"],
+        "wandb_dir_file": [*good, "--data-path", data, "--wandb-save-dir", str(out / "a_file")],
         "save_disk_too_small": [*good, *HUGE, "--data-path", data, "--save", str(out / "huge"), "--save-interval", "2"],
         "save_without_interval": [*good, "--data-path", data, "--save", str(out / "ckpt")],
         "load_finetuned": [*good, "--data-path", data, "--load", str(finetuned)],
@@ -93,9 +94,10 @@ def refused(tmp_path_factory) -> dict:
     }
     if read_only:
         cases["save_read_only"] = [*good, "--data-path", data, "--save", str(out / "read_only"), "--save-interval", "2"]
-    (out / "spec.json").write_text(json.dumps({"cases": cases}))
+    spec = {"cases": {name: {"entry": "recipes.pretrain_gpt", "argv": argv} for name, argv in cases.items()}}
+    (out / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _free_port(),
-           os.path.join(ROOT, "tests", "pretrain_errors_worker.py"), str(out), str(out / "spec.json")]
+           os.path.join(ROOT, "tests", "entry_cases_worker.py"), str(out), str(out / "spec.json")]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     finally:
@@ -181,6 +183,13 @@ def test_a_save_directory_that_cannot_be_written_or_is_on_a_too_small_disk_is_re
     assert (f" GiB free on its disk, but one checkpoint of this model ({parameters:,} parameters) needs at least "
             f"{needed / 2**30:,.1f} GiB (weights and optimizer state") in line, line
     assert not os.path.exists(out / "huge" / "iter_0000002")
+
+
+@needs_megatron_training
+def test_an_output_directory_that_is_a_file_is_named(refused):
+    out = refused["out"]
+    assert _one_line(refused, "wandb_dir_file") == (
+        f"--wandb-save-dir {out}/a_file: {out}/a_file is a file, not a directory; give a directory this run can write")
 
 
 @needs_megatron_training

@@ -15,6 +15,7 @@ the end-of-document id), ``GPTInferenceWrapper`` (the forward calls) and ``Stati
   NVLink symmetric memory: ``legacy=True`` is asked for explicitly (0.16 falls back to it with a
   warning anyway).
 
+* 0.19's engine module registers faulthandler stack dumps on SIGTERM and SIGINT; they are removed here.
 * 0.19's engine marks the whole process as inferring (``InferenceMode``) from its construction on,
   after which a forward with labels (a loss evaluation beside generation) fails; here the mark is
   held only while :func:`generate` runs (0.16 has no such mark).
@@ -25,6 +26,8 @@ Works on CPU with :mod:`megatron_llep.testing.cpu_gloo` enabled (its events time
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import signal
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -44,6 +47,11 @@ try:  # 0.19 on
     from megatron.core.inference.utils import InferenceMode
 except ImportError:
     InferenceMode = None
+
+# Megatron-Core's data-parallel inference coordinator, imported with the engines (0.19), registers a stack
+# dump of every rank on SIGTERM and SIGINT: a run stopped by a signal ends in launch/torchrun.py's one line
+for _stop_signal in (signal.SIGTERM, signal.SIGINT):
+    faulthandler.unregister(_stop_signal)
 
 
 @contextlib.contextmanager

@@ -110,3 +110,27 @@ def llep_config_from_flags(args: argparse.Namespace, on_gpu: Optional[bool] = No
         )
     except LLEPConfigError as err:  # every knob has its flag
         raise ValueError(err.for_flag(flag(err.knob))) from None
+
+
+def tuning_flags_given(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str = "--llep-") -> list[str]:
+    """The flags of ``parser`` named ``prefix...`` (or ``--no-`` + that) whose parsed value in ``args``
+    is not their default, as the command line spells them: the knobs a run without LLEP would
+    silently ignore."""
+    given = []
+    for action in parser._actions:
+        names = [name for name in action.option_strings if name.startswith((prefix, "--no-" + prefix[2:]))]
+        value = getattr(args, action.dest, action.default)
+        if names and value != action.default:
+            negated = [name for name in action.option_strings if name.startswith("--no-")]
+            given.append(negated[0] if value is False and negated else action.option_strings[0])
+    return given
+
+
+def ignored_tuning_note(flags: list[str], off: str) -> Optional[str]:
+    """The note for LLEP knobs given to a run without LLEP (``off``: how the command line turned it off),
+    None without any: an A/B run may keep them, but not without saying they do nothing."""
+    if not flags:
+        return None
+    one = len(flags) == 1
+    return (f"{', '.join(flags)} tune{'s' if one else ''} LLEP, which {off}: {'it does' if one else 'they do'} "
+            "nothing in this plain-EP run")

@@ -31,7 +31,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_llep.integrations.flags import add_llep_flags, llep_config_from_flags
+from megatron_llep.integrations.flags import (add_llep_flags, ignored_tuning_note, llep_config_from_flags,
+                                              tuning_flags_given)
 from megatron_llep.integrations.placement import apply_placement
 from megatron_llep.placement import ExpertPlacement, read_checkpoint_placement, same_expert_order, write_checkpoint_placement
 from megatron_llep.placement.placement import CHECKPOINT_PLACEMENT_FILE
@@ -310,8 +311,12 @@ def install_llep_logging() -> None:
 
 
 def note_when_idle(args: argparse.Namespace) -> Optional[str]:
-    """A line for the user when ``--llep`` has nothing to do (EP = 1)."""
+    """A line for the user when LLEP has nothing to do: ``--llep`` at EP = 1, or LLEP knobs
+    (``--llep-*``; the placement aside, which plain EP uses too) without ``--llep``."""
     if args.llep and args.expert_model_parallel_size == 1:
         return "--llep with --expert-model-parallel-size 1: every expert is local, LLEP has no work (plain EP)"
+    if not args.llep:
+        given = tuning_flags_given(add_llep_args(argparse.ArgumentParser(add_help=False)), args)
+        return ignored_tuning_note([flag for flag in given if flag != "--llep-placement"], "is off without --llep")
     return None
 

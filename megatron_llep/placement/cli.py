@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from megatron_llep.writable import creation_problem
+from megatron_llep.writable import OutputError, file_problem
 from megatron_llep.placement.cap import SpectrumPoint, plan_trace
 from megatron_llep.placement.metrics import Topology
 from megatron_llep.placement.placement import experts_per_rank
@@ -80,13 +80,6 @@ def _input_problem(path: str) -> Optional[str]:
     return None
 
 
-def _output_problem(path: str) -> Optional[str]:
-    """Why ``path`` could not be written (None: it can), found before minutes of planning."""
-    if os.path.isdir(path):
-        return f"{path} is a directory; give a file name"
-    return creation_problem(path)
-
-
 def _load_trace_files(paths: Sequence[str], num_experts: Optional[int]) -> RoutingTrace:
     """The merged traces; a file that cannot be read is named in the error."""
     traces = []
@@ -138,7 +131,7 @@ def _plan(args: argparse.Namespace) -> None:
     placement, _ = plan_trace(trace, topology, args.lam, profile, args.spectrum_steps, args.routing_groups,
                               args.max_evaluations, on_layer=progress)
     placement.metadata["traces"] = list(args.traces)
-    placement.save(args.out)
+    placement.save(args.out, "--out")
     print()
     print(_table([{"layer": int(n), **s} for n, s in placement.metadata["layers"].items()]))
     print(f"\nwrote {args.out}")
@@ -147,7 +140,7 @@ def _plan(args: argparse.Namespace) -> None:
 def _synthetic(args: argparse.Namespace) -> None:
     trace, _ = synthetic_trace(args.tokens, args.experts, args.topk, args.clusters, args.affinity, args.skew,
                                args.layers, args.seed)
-    trace.save(args.out)
+    trace.save(args.out, "--out")
     loads = np.stack([layer.expert_counts for layer in trace.layers.values()])
     print(f"wrote {args.out}: {len(trace.layers)} layer(s) x {args.tokens} tokens, {args.experts} experts top-{args.topk}, "
           f"hottest expert {loads.max() / loads.mean():.2f}x the mean load")
@@ -205,7 +198,7 @@ def _check_files_and_sizes(parser: argparse.ArgumentParser, args: argparse.Names
                 parser.error(problem)
         if args.num_experts is not None and args.ep_size > args.num_experts:
             parser.error(f"--ep-size {args.ep_size} exceeds --num-experts {args.num_experts}")
-    problem = _output_problem(args.out)
+    problem = file_problem(args.out)
     if problem:
         parser.error(f"{'--out' if args.command == 'plan' else 'out'}: {problem}")
 
@@ -219,4 +212,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (ValueError, KeyError, OSError, ImportError, AttributeError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(1 if isinstance(err, OutputError) else 2)  # a write that failed (full disk) is no usage error

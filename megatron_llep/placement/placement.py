@@ -25,6 +25,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from megatron_llep.writable import write_text
+
 PLACEMENT_FORMAT = "megatron-llep-expert-placement"
 PLACEMENT_VERSION = 1
 
@@ -138,12 +140,12 @@ class ExpertPlacement:
             "metadata": self.metadata,
         }
 
-    def save(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    def save(self, path: str, flag: Optional[str] = None) -> None:
+        """Write the placement file whole, or leave what was at ``path`` (an :class:`OutputError`
+        names the file, and ``flag`` if the command line chose it)."""
         text = json.dumps(self.to_json(), indent=1)
         text = re.sub(r"\[[-\d,\s]*\]", lambda m: json.dumps(json.loads(m.group(0))), text)  # one line per layer
-        with open(path, "w") as f:
-            f.write(text + "\n")
+        write_text(path, text + "\n", flag)
 
     @classmethod
     def from_json(cls, payload: dict, source: str = "placement") -> "ExpertPlacement":

@@ -23,6 +23,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from megatron_llep.writable import StagedOutputs
+
 TRACE_FORMAT = "megatron-llep-routing-trace"
 TRACE_VERSION = 1
 _MAX_INT16_EXPERTS = np.iinfo(np.int16).max
@@ -102,7 +104,9 @@ class RoutingTrace:
             halves[1][number] = layer.expert_ids[cut:]
         return tuple(RoutingTrace.from_expert_ids(self.num_experts, h, self.sampling) for h in halves)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, flag: Optional[str] = None) -> None:
+        """Write the trace file whole, or leave what was at ``path`` (an :class:`OutputError` names
+        the file, and ``flag`` if the command line chose it)."""
         arrays = {}
         for number, layer in self.layers.items():
             arrays[f"layer{number}_expert_ids"] = layer.expert_ids.astype(np.int16)
@@ -118,8 +122,9 @@ class RoutingTrace:
             "sampling": self.sampling,
             "sources": self.sources,
         }
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz" to the name
+        needed = sum(array.nbytes for array in arrays.values())  # at most: the arrays are compressed
+        # a file object keeps numpy from appending ".npz" to the name
+        with StagedOutputs(flag) as outputs, outputs.open(path, "wb", needed=needed) as f:
             np.savez_compressed(f, metadata=np.array(json.dumps(metadata)), **arrays)
 
     @classmethod

@@ -56,7 +56,7 @@ def weight_exchange_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup:
     first operation must include all its ranks (``torch.distributed.batch_isend_irecv``; under NCCL
     the lazy communicator set-up would hang), and a step's weight copies involve only some."""
     ranks = tuple(dist.get_process_group_ranks(ep_group))
-    if ranks not in _WEIGHT_GROUPS:
+    if ranks not in _WEIGHT_GROUPS or not _alive(_WEIGHT_GROUPS[ranks]):  # one of a destroyed process group: anew
         group = dist.new_group(list(ranks), use_local_synchronization=True)
         on_gpu = "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available()
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -65,13 +65,23 @@ def weight_exchange_group(ep_group: dist.ProcessGroup) -> dist.ProcessGroup:
     return _WEIGHT_GROUPS[ranks]
 
 
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` belongs to the process group now running (a process may destroy it and start
+    another, e.g. to run again)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 _LEDGERS: dict[tuple[int, ...], KeptLedger] = {}
 
 
 def ledger_for(group: dist.ProcessGroup) -> KeptLedger:
-    """The ledger of an EP group, one per process (all its LLEP layers share the byte bound)."""
+    """The ledger of an EP group, one per process group (all its LLEP layers share the byte bound)."""
     ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _LEDGERS:
+    if ranks not in _LEDGERS or _LEDGERS[ranks].group is not group:  # a new group of these ranks: a fresh ledger
         _LEDGERS[ranks] = KeptLedger(group)
         _install_optimizer_hook()
         mcore.hook_ddp_gradient_sync(_count_no_sync, _before_ddp_sync, _after_ddp_built)

@@ -34,6 +34,16 @@ from megatron_llep.runtime.experts import ExpertAdapter
 from megatron_llep.runtime.kept_weights import KeptExperts
 
 
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` belongs to the process group now running (a process may destroy it and start
+    another, e.g. to run again)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 class ExpertWeightExchange:
     """The weight transfers of one rank for one layer step (one micro-batch's forward and
     backward): copies this rank sends (as native rank, or as the keeper that relays one inside

@@ -39,12 +39,15 @@ from typing import Optional, Sequence
 
 import torch
 
+from recipes.entry_point import EntryPoint, RankZeroArgumentParser, check_numeric_domains, check_writable_directories
+
 PREFIX = "[recipes.hf]"
+ENTRY = EntryPoint("recipes.hf")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m recipes.hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = RankZeroArgumentParser(prog="python -m recipes.hf", description=__doc__,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face checkpoint -> Megatron checkpoint (iteration 0)",
                          description="Other flags are finetune.py's (layout, --seq-length, --dtype, ...): the "
@@ -92,14 +95,15 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = 2) -> None:
+    """One line from rank 0; exit ``status`` (2: bad input, 1: a run that failed, e.g. on a full disk)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def _log(message: str) -> None:
@@ -118,6 +122,7 @@ def run_import(args: argparse.Namespace, rest: list[str]) -> str:
     fargs = finetune.parse_args(["--recipe", args.recipe, "--hf-checkpoint", args.hf, "--save", args.out,
                                  *(["--hf-drop-mtp"] if args.hf_drop_mtp else []), *rest])
     rank, world, device = finetune.init_distributed()
+    ENTRY.lock_save_directory(args.out, rank, "--out")  # one run per save directory, as in fine-tuning
     try:
         hf_config = finetune.hf_config_for(fargs)
         num_experts = finetune.make_recipe(fargs, hf_config, cpu=device.type == "cpu").config.num_moe_experts
@@ -140,7 +145,7 @@ def run_import(args: argparse.Namespace, rest: list[str]) -> str:
         directory = checkpointing.save_checkpoint(args.out, model, optimizer, scheduler,
                                                   checkpointing.TrainingProgress(), run_info)
     except checkpointing.CheckpointSaveError as err:  # e.g. a full disk: one line, the partial files removed
-        _fail(str(err))
+        _fail(str(err), status=1)
     _log(f"wrote {directory} ({recipe.name}, TP={layout['tp']} PP={layout['pp']} EP={layout['ep']}); fine-tune with: "
          f"recipes/finetune.py --recipe {args.recipe} --load {args.out} --save {args.out} "
          f"{' '.join(rest)}".rstrip())
@@ -241,7 +246,7 @@ def run_export(args: argparse.Namespace) -> str:
 
     from megatron_llep.placement import read_checkpoint_placement
     from recipes import checkpointing, finetune
-    from recipes.hf.convert import ConversionError, export_hf_checkpoint, family_module
+    from recipes.hf.convert import ConversionError, export_hf_checkpoint, family_key, family_module
     from recipes.hf.quant import error_report
 
     rank, world, device = finetune.init_distributed()
@@ -251,13 +256,18 @@ def run_export(args: argparse.Namespace) -> str:
         recipe_name = args.recipe or run_info.get("recipe")
         if recipe_name is None:
             raise ValueError(f"{directory} records no recipe: pass --recipe")
+        recorded = run_info.get("recipe")
+        if args.recipe and recorded and family_key(args.recipe) != family_key(recorded):
+            raise ValueError(f"--recipe {args.recipe} is a {family_key(args.recipe)} model, but {directory} was trained "
+                             f"as {recorded} ({family_key(recorded)}): drop --recipe (the checkpoint's is the default)")
         hf_config = _read_hf_config(args.hf_config) if args.hf_config else run_info.get("hf_config")
         family = family_module(recipe_name)
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         if world % (tp * pp):
             raise ValueError(f"world size {world} is not divisible by TP x PP = {tp} x {pp}")
         ep = args.expert_model_parallel_size or world // (tp * pp)
-        fargs = argparse.Namespace(recipe=recipe_name, hf_checkpoint=args.hf_config, load=args.load)
+        fargs = argparse.Namespace(recipe=recipe_name, hf_checkpoint=args.hf_config, load=args.load,
+                                   hf_config_source=args.hf_config and f"--hf-config {args.hf_config}")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         recipe = finetune.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
                                       cpu=device.type == "cpu")
@@ -273,6 +283,12 @@ def run_export(args: argparse.Namespace) -> str:
     if device.type == "cuda":
         model.cuda(device)
     state = {"model": model.sharded_state_dict(metadata=checkpointing.SHARDING_METADATA)}
+    mismatch = checkpointing.tensor_mismatch(state, directory)
+    if mismatch:
+        described = f"--hf-config {args.hf_config}" if args.hf_config else f"--recipe {args.recipe}" if args.recipe \
+            else "what it records"
+        _fail(f"the model {described} describes is not the one {directory} holds: {mismatch}; give the config.json "
+              f"and recipe it was trained with{'' if described == 'what it records' else ' (or drop the flag)'}")
     loaded = dist_checkpointing.load(state, directory)
     model.load_state_dict(loaded["model"])
     placement = read_checkpoint_placement(directory)
@@ -310,17 +326,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if args.command == "export" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "export":
+        check_numeric_domains(parser, args, ("max_shard_size_gib", "tensor_model_parallel_size",
+                                             "pipeline_model_parallel_size", "expert_model_parallel_size"))
     if args.command == "import" and not os.path.isdir(args.hf):
         parser.error(f"--hf: {args.hf} is not a directory")
     if args.command == "export" and not os.path.isdir(args.load):
         parser.error(f"--load: {args.load} is not a directory")
-    if args.command == "export":
-        from megatron_llep.writable import creation_problem
-
-        problem = (f"{args.out} is a file; give a directory to write the checkpoint into" if os.path.isfile(args.out)
-                   else creation_problem(os.path.join(args.out, "config.json")))  # inside it, if it exists
-        if problem:
-            parser.error(f"--out: {problem}")
+    check_writable_directories(parser, [(args.out, "--out")])  # import: its save directory, export: the HF files
     from recipes.cpu_warnings import quiet_known_cpu_warnings
 
     quiet_known_cpu_warnings()  # before the first Megatron-Core import

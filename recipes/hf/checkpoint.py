@@ -20,6 +20,8 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
+from megatron_llep.writable import StagedFile, StagedOutputs
+
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -240,12 +242,13 @@ class HFCheckpointWriter:
         os.makedirs(directory, exist_ok=True)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._written: list[tuple[str, str, list[str]]] = []  # (temporary file, layout's shard file or "", names)
+        self._written: list[tuple[StagedFile, str, list[str]]] = []  # (staged file, layout's shard file or "", names)
         self._missing: dict[str, set[str]] = {}  # layout: shard file -> names not yet added
         for name, shard in (self.layout or {}).items():
             self._missing.setdefault(shard, set()).add(name)
         self._held: dict[str, dict[str, torch.Tensor]] = {}  # layout: shard file -> tensors added so far
         self._names: set[str] = set()
+        self._outputs = StagedOutputs("--out")  # every file renamed into place by close(), none before
         self.notes: list[str] = []
         self.total_bytes = 0
 
@@ -281,11 +284,25 @@ class HFCheckpointWriter:
             self.add(name, tensor)
 
     def _write(self, shard: str, tensors: dict[str, torch.Tensor]) -> None:
+        """One shard, staged (its final name may come only at :meth:`close`); an :class:`OutputError`
+        (a full disk) discards every staged file."""
         from safetensors.torch import save_file
 
-        path = os.path.join(self.directory, f".shard-{len(self._written):05d}.safetensors.tmp")
-        save_file(tensors, path, metadata={"format": "pt"})
-        self._written.append((path, shard, list(tensors)))
+        name = shard or f"model-{len(self._written) + 1:05d}.safetensors"
+        try:
+            staged = self._outputs.stage(os.path.join(self.directory, name),
+                                         needed=sum(t.numel() * t.element_size() for t in tensors.values()))
+            save_file(tensors, staged.temporary, metadata={"format": "pt"})
+        except Exception as err:  # safetensors reports a full disk as its own SafetensorError
+            failure = self._outputs.abandon(err)
+            if failure is None:
+                raise
+            raise failure from None
+        self._written.append((staged, shard, list(tensors)))
+
+    def discard(self) -> None:
+        """An export that failed: every file written so far removed, what ``directory`` held left as it was."""
+        self._outputs.discard()
 
     def _flush(self) -> None:
         if self._pending:
@@ -314,14 +331,15 @@ class HFCheckpointWriter:
                 self._write(shard, self._held.pop(shard))
             files = [shard for _, shard, _ in self._written]
         weight_map: dict[str, str] = {}
-        for file, (path, _, names) in zip(files, self._written):
-            os.replace(path, os.path.join(self.directory, file))
+        for file, (staged, _, names) in zip(files, self._written):
+            staged.final = os.path.join(self.directory, file)
             weight_map.update({n: file for n in names})
-        if files != [SINGLE_FILE]:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-            with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
-                json.dump(index, f, indent=2)
-        if self.config is not None:
-            with open(os.path.join(self.directory, CONFIG_FILE), "w") as f:
-                json.dump(self.config, f, indent=2, sort_keys=True)
+        with self._outputs:  # the shards, index and config.json renamed into place together
+            if files != [SINGLE_FILE]:
+                index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+                with self._outputs.open(os.path.join(self.directory, INDEX_FILE)) as f:
+                    json.dump(index, f, indent=2)
+            if self.config is not None:
+                with self._outputs.open(os.path.join(self.directory, CONFIG_FILE)) as f:
+                    json.dump(self.config, f, indent=2, sort_keys=True)
         return files

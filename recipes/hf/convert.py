@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_llep.runtime.state import drop_kept_experts
+from megatron_llep.writable import OutputError
 from recipes.hf.checkpoint import HFCheckpoint, HFCheckpointError, HFCheckpointWriter
 
 FAMILIES: dict[str, str] = {"gpt-oss": "recipes.hf.gpt_oss", "deepseek-v3": "recipes.hf.deepseek_v3"}
@@ -660,11 +661,14 @@ def _write_hf_tensor(writer: HFCheckpointWriter, fam: _Family, hf_name: str, ten
         encoded = quantizer.encode(hf_name, tensor) if quantizer is not None else None
     except ValueError as err:
         return 0, f"{hf_name}: {err}"
-    if encoded is None:
-        writer.add(hf_name, tensor, dtype=torch.float32 if fam.keep_fp32(hf_name) else None)
-        return 1, None
-    for name, part in encoded.items():
-        writer.add(name, part, dtype=torch.float32 if part.dtype == torch.float32 else None)
+    try:
+        if encoded is None:
+            writer.add(hf_name, tensor, dtype=torch.float32 if fam.keep_fp32(hf_name) else None)
+            return 1, None
+        for name, part in encoded.items():
+            writer.add(name, part, dtype=torch.float32 if part.dtype == torch.float32 else None)
+    except OutputError as err:  # a shard could not be written (a full disk): its line, every rank stops
+        return 0, str(err)
     return len(encoded), None
 
 
@@ -831,7 +835,13 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
                     _log(f"layer {layer} exported", verbose)
                     last_layer = layer
     if rank == 0 and error is None:
-        report.files = writer.close()
+        try:
+            report.files = writer.close()
+        except OutputError as err:
+            error = str(err)
+    if rank == 0 and error is not None:
+        writer.discard()  # what --out held before stays as it was
+    if rank == 0 and error is None:
         report.notes = writer.notes
         for note in writer.notes:
             _log(f"note: {note}")
