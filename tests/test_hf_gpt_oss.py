@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -285,6 +286,41 @@ def test_finetune_from_hf_then_export(tmp_path):
     ids = W.token_ids()
     change = W.rel_err(W.reference_logits(tuned, ids), W.reference_logits(original, ids))
     assert 1e-4 < change < 1.0  # one optimizer step moved the weights
+
+
+def test_import_config_error_is_one_line_before_any_process_group(tiny, tmp_path):
+    """``python -m recipes.hf import`` on 2 ranks of a checkpoint whose config.json names another
+    model_type: config.json is read before any process group starts (no gloo start-up for a rank
+    leaving early to break), rank 0 prints one line, exit status 2, no rank traceback."""
+    directory = tmp_path / "llama"
+    shutil.copytree(tiny["mxfp4_dir"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    result = _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "recipes.hf", "import", "--hf",
+                   str(directory), "--recipe", "gpt-oss-tiny", "--out", str(tmp_path / "out")])
+    out = result.stdout + result.stderr
+    lines = [line for line in out.splitlines() if line.startswith("[recipes.hf] error:")]
+    assert len(lines) == 1 and "config.json: model_type = 'llama', expected 'gpt_oss'" in lines[0], out[-3000:]
+    assert 'recipes/hf/__main__.py"' not in out and "gloo" not in out.lower(), out[-3000:]
+    assert "exitcode  : 2" in result.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_a_vocabulary_tensor_parallelism_cannot_split_is_one_line(tiny, tmp_path):
+    """Megatron-Core splits the vocabulary into TP equal shards: an odd one at TP = 2 is one line
+    naming the field and the flag (checked with the layout, before any process group or model)."""
+    from recipes import finetune, model_building
+
+    directory = tmp_path / "odd"
+    shutil.copytree(tiny["hf_dir"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, vocab_size=263)))
+    args = finetune.parse_args(["--recipe", "gpt-oss-tiny", "--hf-checkpoint", str(directory),
+                                "--tensor-model-parallel-size", "2"])
+    with pytest.raises(finetune.ConfigError, match=r"^config.json's vocab_size = 263 is not divisible by "
+                                                   r"--tensor-model-parallel-size 2 \(Megatron-Core splits"):
+        model_building.layout_for(args, 2, torch.device("cpu"))
+    args.tensor_model_parallel_size = 1  # control: one shard
+    assert model_building.layout_for(args, 2, torch.device("cpu"))[1]["tp"] == 1
 
 
 def test_cli_usage_errors_exit_2(tmp_path):

@@ -559,6 +559,36 @@ def test_deepseek_error_report_after_training(exported):
 
 
 
+def test_an_export_below_the_logit_check_threshold_is_removed_unless_accepted(tmp_path, capsys):
+    """``python -m recipes.hf export``'s verdict on its logit check: at the threshold the export
+    stays; below it, with --accept-logit-difference, it stays with one warning line; without, its
+    files (and only its files) are removed, one error line, exit status 1."""
+    from recipes.hf.__main__ import LOGIT_CHECK_MIN_AGREEMENT, finish_logit_check
+    from recipes.hf.checkpoint import HFCheckpointWriter
+
+    out = str(tmp_path / "export")
+    writer = HFCheckpointWriter(out, config={"model_type": "gpt_oss"}, max_shard_bytes=16)
+    writer.add("a", torch.zeros(8))
+    writer.add("b", torch.ones(8))
+    files = writer.close()
+    (tmp_path / "export" / "README.md").write_text("the user's own file")
+    written = sorted(os.listdir(out))
+    assert len(files) == 2 and len(written) == 5
+    finish_logit_check(LOGIT_CHECK_MIN_AGREEMENT, out, files, False, 0)
+    assert sorted(os.listdir(out)) == written and capsys.readouterr().err == ""
+    finish_logit_check(0.95, out, files, True, 0)
+    assert sorted(os.listdir(out)) == written
+    assert capsys.readouterr().err == ("[recipes.hf] warning: logit check: the exported model's top-1 agreement with the "
+                                       "model as trained is 0.9500, below 0.99 (docs/finetune.md, export in the "
+                                       "published precision); the export is kept (--accept-logit-difference)\n")
+    with pytest.raises(SystemExit) as info:
+        finish_logit_check(0.95, out, files, False, 0)
+    assert info.value.code == 1 and os.listdir(out) == ["README.md"]
+    err = capsys.readouterr().err
+    assert err.startswith("[recipes.hf] error: logit check: ") and err.count("\n") == 1
+    assert f"removed the exported files from {out}; pass --accept-logit-difference" in err
+
+
 def _export_args(**flags) -> argparse.Namespace:
     return argparse.Namespace(**{"quant_source": None, "fresh_scales": False, "dequantized": False, **flags})
 

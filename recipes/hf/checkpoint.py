@@ -218,6 +218,15 @@ def _close(handle) -> None:
 EXTRA_SHARD = "model-not-in-source.safetensors"
 
 
+def remove_hf_checkpoint_files(directory: str, shards: Sequence[str]) -> None:
+    """Remove what :meth:`HFCheckpointWriter.close` wrote into ``directory`` (``shards``, the index
+    and config.json); other files there stay."""
+    for name in (*shards, INDEX_FILE, CONFIG_FILE):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            os.remove(path)
+
+
 class HFCheckpointWriter:
     """Write tensors as ``model-0000k-of-0000n.safetensors`` shards of at most ``max_shard_bytes``
     (a single tensor larger than that gets a shard of its own), ``model.safetensors.index.json``

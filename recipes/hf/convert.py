@@ -847,8 +847,9 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
 
 
 class _HFTensors:
-    """HF tensors held in memory, read the way :class:`Reader` reads an :class:`HFCheckpoint`
-    (a fused-expert tensor is already the expert's row)."""
+    """HF tensors held in memory, read the way :class:`Reader` reads an :class:`HFCheckpoint`: a
+    fused-expert tensor is already the expert's row (read by the expert's int index), rows of a
+    vocabulary-parallel tensor are read by slice."""
 
     directory = "(quantized in memory)"
 
@@ -858,11 +859,14 @@ class _HFTensors:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
     def get_rows(self, name: str, index) -> torch.Tensor:
-        return self.tensors[name]
+        return self.tensors[name] if isinstance(index, int) else self.tensors[name][index]
 
 
 def quantize_parameters_in_place(model_chunks, family, hf_config: dict, quantizer,
