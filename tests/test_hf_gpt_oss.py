@@ -34,28 +34,51 @@ TOLERANCE = 1e-5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-BROKEN = {"missing": "model.layers.1.self_attn.sinks", "unused": "model.layers.9.mlp.extra"}
+# broken checkpoints -> the tensor their import error must name
+BROKEN = {"missing": "model.layers.1.self_attn.sinks", "unused": "model.layers.9.mlp.extra",
+          "scales_shape": "model.layers.1.mlp.experts.down_proj_scales",  # an MXFP4 _scales of the wrong shape
+          "mxfp4_over_plain": "model.layers.0.mlp.experts.gate_up_proj",  # quantization_config over plain experts
+          "two_shards": "model.layers.2.self_attn.o_proj.weight"}  # stored in two shards
+
+
+def _broken_checkpoint(case: str, hf_dir: str, mxfp4_dir: str, directory) -> None:
+    """``directory``: the tiny checkpoint broken as ``case`` says (BROKEN)."""
+    from safetensors.torch import save_file
+
+    source = mxfp4_dir if case == "scales_shape" else hf_dir
+    tensors, name = _tensors(source), BROKEN[case]
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    shards = {"model.safetensors": tensors}
+    if case == "missing":
+        tensors.pop(name)
+    elif case == "unused":
+        tensors[name] = torch.zeros(2)
+    elif case == "scales_shape":
+        tensors[name] = torch.cat([tensors[name], tensors[name]], dim=-1)
+    elif case == "mxfp4_over_plain":
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    else:  # a second copy in another shard, whose other tensor the index places there
+        shards["extra.safetensors"] = {name: tensors[name] * 2, "model.norm.weight": tensors.pop("model.norm.weight")}
+        weight_map = dict.fromkeys(tensors, "model.safetensors")  # the first copy of `name`
+        weight_map["model.norm.weight"] = "extra.safetensors"
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for file, part in shards.items():
+        save_file(part, str(directory / file))
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from safetensors.torch import save_file
-
     root = tmp_path_factory.mktemp("gpt_oss_hf")
     hf_dir, mxfp4_dir = str(root / "hf"), str(root / "hf_mxfp4")
     model = W.save_tiny_model(hf_dir, mxfp4_dir)
     ids = W.token_ids()
-    broken_dirs = []  # a tensor missing / one no parameter uses
-    for case, name in BROKEN.items():
-        tensors = _tensors(hf_dir)
-        if case == "missing":
-            tensors.pop(name)
-        else:
-            tensors[name] = torch.zeros(2)
+    broken_dirs = []
+    for case in BROKEN:
         directory = root / case
         directory.mkdir()
-        save_file(tensors, str(directory / "model.safetensors"))
-        (directory / "config.json").write_text(open(os.path.join(hf_dir, "config.json")).read())
+        _broken_checkpoint(case, hf_dir, mxfp4_dir, directory)
         broken_dirs.append(str(directory))
     return dict(root=root, hf_dir=hf_dir, mxfp4_dir=mxfp4_dir, model=model, ids=ids, broken_dirs=tuple(broken_dirs),
                 reference=W.reference_logits(model, ids))
@@ -206,6 +229,8 @@ def test_released_config_builds_the_spec_recipe():
     ("sliding_window", 64, "sliding_window = 64 contradicts"),
     ("rope_theta", 10000, "rope_theta = 10000.0 contradicts"),
     ("model_type", "llama", "model_type = 'llama'"),
+    ("architectures", ["GptOssForSequenceClassification"],
+     "architectures = ['GptOssForSequenceClassification'], expected ['GptOssForCausalLM']"),
     ("swiglu_limit", 10.0, "swiglu_limit = 10.0 contradicts"),
 ])
 def test_config_contradicting_a_fixed_recipe_is_one_error(field, value, message):
@@ -213,7 +238,7 @@ def test_config_contradicting_a_fixed_recipe_is_one_error(field, value, message)
     from recipes.hf.gpt_oss import recipe_from_hf_config
 
     config = dict(_released_20b_config(), **{field: value})
-    with pytest.raises(ConversionError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+    with pytest.raises(ConversionError, match=re.escape(message)) as info:
         recipe_from_hf_config(config, "gpt-oss-20b")
     assert "\n" not in str(info.value) and str(info.value).startswith("config.json: ")
 
@@ -244,8 +269,10 @@ def test_recipe_refuses_the_fused_bias_clamp_path():
         check_gpt_oss_expert_math(gpu.config)
 
 
-def test_missing_and_unused_tensors_are_named(ep2):
-    """A checkpoint with a tensor missing, or one no parameter uses, fails with one line naming it."""
+def test_broken_checkpoints_are_one_line_naming_the_tensor(ep2):
+    """A checkpoint with a tensor missing, one no parameter uses, an MXFP4 ``_scales`` of the wrong
+    shape, a quantization_config over plain expert tensors or a tensor stored in two shards fails
+    with one line naming the tensor."""
     for res in ep2["results"]:
         for (case, name), message in zip(BROKEN.items(), res["errors"]):
             assert message is not None and name in message and "\n" not in message, (case, message)
