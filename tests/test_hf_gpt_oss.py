@@ -289,30 +289,55 @@ def _run(args, **kwargs):
                           **kwargs)
 
 
-def test_finetune_from_hf_then_export(tmp_path):
-    """finetune.py --hf-checkpoint (2 ranks, LLEP) trains one step from the HF weights and saves;
-    ``python -m recipes.hf export`` (one process, another layout) writes a checkpoint transformers
-    loads, with the original config.json and tensor names."""
-    from transformers import GptOssForCausalLM
+def test_finetune_from_mxfp4_then_export(tmp_path):
+    """finetune.py --hf-checkpoint of the MXFP4 release layout (2 ranks, LLEP) trains one step at a
+    fine-tuning learning rate (1e-4) and saves; ``python -m recipes.hf export`` (one process, another
+    layout) writes it in fp32 (--dequantized: the bf16 original's config.json and tensor names) and
+    in MXFP4 again (--quant-source: the source's names and config.json). Each expert weight
+    transformers loads from the MXFP4 export errs at most 2x plain MX round-to-nearest of the trained
+    weight (the float64 reference of tests/test_hf_quant_export.py), and transformers running it
+    agrees with the trained model on >= 0.99 of the logit check's top-1 tokens, as the export's own
+    check reports."""
+    from test_hf_quant_export import reference_mxfp4
+    from transformers import GptOssForCausalLM, Mxfp4Config
 
-    hf_dir, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "out")
-    original = W.save_tiny_model(hf_dir, vocab_size=320)  # the byte tokenizer's 258 ids fit
+    from recipes.hf.__main__ import LOGIT_CHECK_MIN_AGREEMENT, LOGIT_CHECK_PROMPTS, LOGIT_CHECK_SEED
+
+    hf_dir, mxfp4_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "hf_mxfp4"), str(tmp_path / "ckpt")
+    original = W.save_tiny_model(hf_dir, mxfp4_dir, vocab_size=320)  # the byte tokenizer's 258 ids fit
     result = _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "recipes/finetune.py", "--recipe",
-                   "gpt-oss-tiny", "--hf-checkpoint", hf_dir, "--train-iters", "1", "--lr-warmup-iters", "0", "--seq-length", "32",
-                   "--save", ckpt])
+                   "gpt-oss-tiny", "--hf-checkpoint", mxfp4_dir, "--train-iters", "1", "--lr", "1e-4",
+                   "--lr-warmup-iters", "0", "--seq-length", "32", "--save", ckpt])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"[finetune] imported {hf_dir}" in result.stdout and "[hf] layer 3 imported" in result.stdout
+    assert f"[finetune] imported {mxfp4_dir}" in result.stdout and "[hf] layer 3 imported" in result.stdout
     spilled = re.search(r"LLEP (\d)/4 layers spilled", result.stdout)
     assert spilled and int(spilled.group(1)) >= 1, result.stdout[-2000:]  # the router bias's imbalance
-    result = _run(["-m", "recipes.hf", "export", "--load", ckpt, "--out", out, "--expert-model-parallel-size", "1"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(hf_dir, "config.json")) as f, open(os.path.join(out, "config.json")) as g:
-        assert json.load(f) == json.load(g)
-    assert sorted(_tensors(out)) == sorted(_tensors(hf_dir))
-    tuned = GptOssForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
-    ids = W.token_ids()
-    change = W.rel_err(W.reference_logits(tuned, ids), W.reference_logits(original, ids))
-    assert 1e-4 < change < 1.0  # one optimizer step moved the weights
+    exports = {}
+    for name, flags, source in (("fp32", ["--dequantized", "--dtype", "fp32"], hf_dir),
+                                ("mxfp4", ["--quant-source", mxfp4_dir], mxfp4_dir)):
+        exports[name] = out = str(tmp_path / name)
+        result = _run(["-m", "recipes.hf", "export", "--load", ckpt, "--out", out, "--expert-model-parallel-size", "1",
+                       *flags])
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(os.path.join(source, "config.json")) as f, open(os.path.join(out, "config.json")) as g:
+            assert json.load(f) == json.load(g)
+        assert sorted(_tensors(out)) == sorted(_tensors(source))
+    reported = float(re.search(r"top-1 agreement ([0-9.]+)", result.stdout).group(1))
+    assert reported >= LOGIT_CHECK_MIN_AGREEMENT, result.stdout
+    trained = GptOssForCausalLM.from_pretrained(exports["fp32"], attn_implementation="eager", dtype=torch.float32)
+    exported = GptOssForCausalLM.from_pretrained(exports["mxfp4"], attn_implementation="eager", dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True))
+    loaded = exported.state_dict()
+    experts = [(n, w) for n, w in trained.state_dict().items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 2 * W.LAYERS
+    for name, weight in experts:  # [E, in, out]; the blocks hold [E, out, in]
+        plain = reference_mxfp4(weight.transpose(1, 2))["plain"]
+        assert 0 < float((loaded[name].double() - weight.double()).square().sum()) <= 4 * plain, name
+    ids = torch.randint(0, 320, LOGIT_CHECK_PROMPTS, generator=torch.Generator().manual_seed(LOGIT_CHECK_SEED))
+    as_trained = W.reference_logits(trained, ids)
+    agreement = float((W.reference_logits(exported, ids).argmax(-1) == as_trained.argmax(-1)).float().mean())
+    assert agreement >= LOGIT_CHECK_MIN_AGREEMENT
+    assert 1e-4 < W.rel_err(as_trained, W.reference_logits(original, ids)) < 1.0  # the optimizer step moved the weights
 
 
 def test_import_config_error_is_one_line_before_any_process_group(tiny, tmp_path):
