@@ -237,7 +237,6 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 
 FP8_E4M3_MAX = 448.0
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive E2M1 magnitudes
 _E2M1_EMAX = 2  # the largest E2M1 exponent: 6 = 1.5 * 2**2
 
 
@@ -298,13 +297,14 @@ def _held_exactly(dequantized_fp32: torch.Tensor, values: torch.Tensor) -> torch
 
 def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     """float32 values (already divided by the block scale) -> 4-bit E2M1 codes: nearest magnitude,
-    ties to the even code, saturating at 6; the sign bit from the float's sign (-0.0 -> code 8)."""
-    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=scaled.dtype, device=scaled.device)
-    mag = scaled.abs().contiguous()
-    below = torch.searchsorted(mid, mag, right=False)
-    upto = torch.searchsorted(mid, mag, right=True)
-    code = torch.where((below != upto) & (below % 2 == 1), upto, below)
-    return (code | (torch.signbit(scaled).to(code.dtype) << 3)).to(torch.uint8)
+    ties to the even code, saturating at 6; the sign bit from the float's sign (-0.0 -> code 8).
+    Codes 0..4 are the magnitudes 0..2 in steps of 0.5 and 4..6 the magnitudes 2..4 in steps of 1,
+    so torch.round's ties to even on 2 x or x + 2 is the even code; above 4 only 4 (code 6) and 6
+    (code 7) remain, the tie 5 going to 6."""
+    mag = scaled.abs()
+    code = torch.where(mag < 2, torch.round(mag * 2),
+                       torch.where(mag < 4, torch.round(mag) + 2, (mag > 5).to(mag.dtype) + 6))
+    return code.to(torch.uint8) | (torch.signbit(scaled).to(torch.uint8) << 3)
 
 
 def _mx_exponent(amax: torch.Tensor) -> torch.Tensor:
