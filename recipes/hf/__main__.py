@@ -83,9 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     precision = exp.add_mutually_exclusive_group()
     precision.add_argument("--quant-source", default=None, metavar="DIR",
                            help="the quantized Hugging Face checkpoint the model was imported from: export in its "
-                                "precision and shard layout, reusing its block scales (unchanged blocks are bit-identical)")
+                                "precision and shard layout, each block under the scale that errs least, its own block "
+                                "scale among them (unchanged blocks are bit-identical)")
     precision.add_argument("--fresh-scales", action="store_true",
-                           help="export in the source's precision (quantization_config) with new scales for every block")
+                           help="export in the source's precision (quantization_config), each block under the new "
+                                "scale that errs least")
     precision.add_argument("--dequantized", action="store_true",
                            help="write plain --dtype weights even if the source checkpoint was quantized")
     exp.add_argument("--skip-logit-check", action="store_true",
