@@ -533,8 +533,20 @@ def layout_for(args: argparse.Namespace, world: int, device: torch.device,
     ``--pretrained``, the fine-tuning ``checkpoint`` (whose run recorded them) or ``--recipe``."""
     hf_config = hf_config_for(args, checkpoint)
     args.megatron_lm_args = megatron_lm_arguments_for(args, checkpoint)
-    num_experts = make_recipe(args, hf_config, cpu=device.type == "cpu").config.num_moe_experts
-    return hf_config, parallel_layout(args, world, num_experts)
+    recipe = make_recipe(args, hf_config, cpu=device.type == "cpu")
+    layout = parallel_layout(args, world, recipe.config.num_moe_experts)
+    check_vocabulary_split(recipe, layout["tp"], hf_config is not None)
+    return hf_config, layout
+
+
+def check_vocabulary_split(recipe, tp: int, from_config_json: bool) -> None:
+    """Megatron-Core splits the embedding and the output layer into ``tp`` equal vocabulary shards
+    (an uneven vocabulary fails its assertion deep in the model build): one line instead."""
+    if recipe.vocab_size % tp:
+        where = f"config.json's vocab_size = {recipe.vocab_size}" if from_config_json else \
+            f"{recipe.name}'s vocabulary of {recipe.vocab_size}"
+        raise ConfigError(f"{where} is not divisible by --tensor-model-parallel-size {tp} (Megatron-Core splits the "
+                          f"embedding and output layer into equal vocabulary shards): use a TP size that divides it")
 
 
 def initialize_model_parallel(layout: dict[str, int], seed: int) -> None:

@@ -1,8 +1,10 @@
 """Rank-side code of tests/test_hf_quant_export.py: import a quantized gpt-oss (MXFP4) and
 DeepSeek-V3 (block FP8) checkpoint at EP = 2, export it in the published precision untouched, then
 after a pretend training step (every parameter nudged) in the published precision and in float32.
-Also ``python tests/hf_quant_export_worker.py DIR``: the export's per-rank peak memory on a model
-many shards large (the numbers docs/finetune.md quotes)."""
+Also the numbers docs/finetune.md quotes: ``python tests/hf_quant_export_worker.py DIR``, the
+export's per-rank peak memory on a model many shards large; ``python tests/hf_quant_export_worker.py
+--fine-tuned DIR``, the MXFP4 export of the tiny gpt-oss fine-tuned at three learning rates (with the
+``recipes`` on PYTHONPATH, so that another tree's export can be measured on the same checkpoints)."""
 
 from __future__ import annotations
 
@@ -95,9 +97,52 @@ def measure(rank: int, world: int, mxfp4_dir: str, out_dir: str, max_shard_bytes
                 seconds=exported.seconds)
 
 
+# ---------------------------------------------------------------------------------------------
+# after fine-tuning: python tests/hf_quant_export_worker.py --fine-tuned DIR
+# ---------------------------------------------------------------------------------------------
+
+
+def fine_tuned_exports(root: str) -> None:
+    """The tiny gpt-oss in MXFP4 (vocabulary 320: the byte tokenizer's ids fit), fine-tuned two
+    steps by finetune.py --hf-checkpoint (2 ranks, LLEP) at learning rates 1e-3 (the tiny recipe's
+    default), 1e-4 and 2e-5, each exported with --quant-source in bf16 and fp32 (one process):
+    prints the export's error and logit-check lines (a refused export prints them too)."""
+    import subprocess
+    import sys
+
+    import hf_gpt_oss_worker as W
+    import recipes
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(recipes.__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
+    bf16, mxfp4 = os.path.join(root, "bf16"), os.path.join(root, "mxfp4")
+    if not os.path.isdir(mxfp4):
+        W.save_tiny_model(bf16, mxfp4, vocab_size=320)
+    print(f"recipes from {repo}", flush=True)
+    for lr in ("1e-3", "1e-4", "2e-5"):
+        ckpt = os.path.join(root, f"tuned_lr{lr}")
+        if not os.path.isdir(ckpt):
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "recipes/finetune.py",
+                            "--recipe", "gpt-oss-tiny", "--hf-checkpoint", mxfp4, "--train-iters", "2", "--lr", lr,
+                            "--min-lr", "0", "--lr-warmup-iters", "0", "--seq-length", "32", "--save", ckpt],
+                           cwd=repo, env=env, check=True, capture_output=True)
+        for dtype in ("bf16", "fp32"):
+            out = os.path.join(root, f"export_lr{lr}_{dtype}")
+            shutil.rmtree(out, ignore_errors=True)
+            result = subprocess.run([sys.executable, "-m", "recipes.hf", "export", "--load", ckpt, "--out", out,
+                                     "--quant-source", mxfp4, "--dtype", dtype, "--expert-model-parallel-size", "1"],
+                                    cwd=repo, env=env, capture_output=True, text=True)
+            for line in (result.stdout + result.stderr).splitlines():
+                if any(key in line for key in ("quantization error", "logit difference", "error:", "warning:")):
+                    print(f"lr {lr}, {dtype}: {line}", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1] == "--fine-tuned":
+        fine_tuned_exports(sys.argv[2])
+        sys.exit(0)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes/, run from anywhere
     import hf_gpt_oss_worker as W
     from megatron_llep.testing.distributed import run_distributed

@@ -1,6 +1,7 @@
 """Rank side of tests/test_hf_tensor_parallel.py: build a family's recipe from a Hugging Face
 config.json at TP x EP (LLEP layers, expert TP 1, sequence parallelism off as the CPU recipes
-build it), import, compare the logits with transformers', run the negative controls and export."""
+build it), import, compare the logits with transformers', run the negative controls and export (and
+the quantized export's logit check)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Job:
     ep: int
     export_dir: str
     wrong_dim_export_dir: str  # the export with one parameter's partition dim flipped
+    quant_source: Optional[str] = None  # the checkpoint in its quantized layout: run the export's logit check
 
 
 # the row-parallel parameter whose partition dim the negative controls flip (1 -> 0)
@@ -144,6 +146,14 @@ def run_one(job: Job) -> dict:
     export_hf_checkpoint(model, job.family, job.export_dir, hf_config, verbose=False)
     with _partition_dim_flipped(model):
         export_hf_checkpoint(model, job.family, job.wrong_dim_export_dir, hf_config, verbose=False)
+    if job.quant_source:  # last: it replaces the weights by their quantized round trip
+        from recipes.hf.__main__ import quantization_logits
+        from recipes.hf.quant import ExportQuantizer
+
+        source = HFCheckpoint(job.quant_source)
+        quantizer = ExportQuantizer(module.QUANTIZED_HF, source.config, source)
+        trained, exported = quantization_logits(model, job.family, source.config, quantizer, torch.device("cpu"))
+        out["logit_check_max_abs"] = float((exported - trained).abs().max())
     return out
 
 

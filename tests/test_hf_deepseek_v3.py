@@ -301,6 +301,12 @@ def test_contradictions_are_one_error_naming_the_fields():
     # DeepSeek-V2-style group scoring Megatron-Core cannot reproduce: 8 // 2 = 4 experts per group score
     with pytest.raises(ConversionError, match="num_experts_per_tok // topk_group = 8 // 2 = 4"):
         recipe_from_hf_config(dict(RELEASE_CONFIG, topk_group=2))
+    # another head of the same model_type; a config.json without architectures is taken by its model_type
+    with pytest.raises(ConversionError, match=r"architectures = \['DeepseekV3Model'\], expected "
+                                              r"\['DeepseekV3ForCausalLM'\]"):
+        recipe_from_hf_config(dict(RELEASE_CONFIG, architectures=["DeepseekV3Model"]), recipe="deepseek-v3")
+    unnamed = {k: v for k, v in RELEASE_CONFIG.items() if k != "architectures"}
+    assert recipe_from_hf_config(unnamed, recipe="deepseek-v3").config.num_layers == 61
     # deepseek-v3-tiny takes any size from config.json (as gpt-oss-tiny does)
     assert recipe_from_hf_config(RELEASE_CONFIG, recipe="deepseek-v3-tiny").config.num_layers == 61
     # transformers 5's rope_parameters form reads the same

@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -33,28 +34,51 @@ TOLERANCE = 1e-5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-BROKEN = {"missing": "model.layers.1.self_attn.sinks", "unused": "model.layers.9.mlp.extra"}
+# broken checkpoints -> the tensor their import error must name
+BROKEN = {"missing": "model.layers.1.self_attn.sinks", "unused": "model.layers.9.mlp.extra",
+          "scales_shape": "model.layers.1.mlp.experts.down_proj_scales",  # an MXFP4 _scales of the wrong shape
+          "mxfp4_over_plain": "model.layers.0.mlp.experts.gate_up_proj",  # quantization_config over plain experts
+          "two_shards": "model.layers.2.self_attn.o_proj.weight"}  # stored in two shards
+
+
+def _broken_checkpoint(case: str, hf_dir: str, mxfp4_dir: str, directory) -> None:
+    """``directory``: the tiny checkpoint broken as ``case`` says (BROKEN)."""
+    from safetensors.torch import save_file
+
+    source = mxfp4_dir if case == "scales_shape" else hf_dir
+    tensors, name = _tensors(source), BROKEN[case]
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    shards = {"model.safetensors": tensors}
+    if case == "missing":
+        tensors.pop(name)
+    elif case == "unused":
+        tensors[name] = torch.zeros(2)
+    elif case == "scales_shape":
+        tensors[name] = torch.cat([tensors[name], tensors[name]], dim=-1)
+    elif case == "mxfp4_over_plain":
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    else:  # a second copy in another shard, whose other tensor the index places there
+        shards["extra.safetensors"] = {name: tensors[name] * 2, "model.norm.weight": tensors.pop("model.norm.weight")}
+        weight_map = dict.fromkeys(tensors, "model.safetensors")  # the first copy of `name`
+        weight_map["model.norm.weight"] = "extra.safetensors"
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for file, part in shards.items():
+        save_file(part, str(directory / file))
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from safetensors.torch import save_file
-
     root = tmp_path_factory.mktemp("gpt_oss_hf")
     hf_dir, mxfp4_dir = str(root / "hf"), str(root / "hf_mxfp4")
     model = W.save_tiny_model(hf_dir, mxfp4_dir)
     ids = W.token_ids()
-    broken_dirs = []  # a tensor missing / one no parameter uses
-    for case, name in BROKEN.items():
-        tensors = _tensors(hf_dir)
-        if case == "missing":
-            tensors.pop(name)
-        else:
-            tensors[name] = torch.zeros(2)
+    broken_dirs = []
+    for case in BROKEN:
         directory = root / case
         directory.mkdir()
-        save_file(tensors, str(directory / "model.safetensors"))
-        (directory / "config.json").write_text(open(os.path.join(hf_dir, "config.json")).read())
+        _broken_checkpoint(case, hf_dir, mxfp4_dir, directory)
         broken_dirs.append(str(directory))
     return dict(root=root, hf_dir=hf_dir, mxfp4_dir=mxfp4_dir, model=model, ids=ids, broken_dirs=tuple(broken_dirs),
                 reference=W.reference_logits(model, ids))
@@ -205,6 +229,8 @@ def test_released_config_builds_the_spec_recipe():
     ("sliding_window", 64, "sliding_window = 64 contradicts"),
     ("rope_theta", 10000, "rope_theta = 10000.0 contradicts"),
     ("model_type", "llama", "model_type = 'llama'"),
+    ("architectures", ["GptOssForSequenceClassification"],
+     "architectures = ['GptOssForSequenceClassification'], expected ['GptOssForCausalLM']"),
     ("swiglu_limit", 10.0, "swiglu_limit = 10.0 contradicts"),
 ])
 def test_config_contradicting_a_fixed_recipe_is_one_error(field, value, message):
@@ -212,7 +238,7 @@ def test_config_contradicting_a_fixed_recipe_is_one_error(field, value, message)
     from recipes.hf.gpt_oss import recipe_from_hf_config
 
     config = dict(_released_20b_config(), **{field: value})
-    with pytest.raises(ConversionError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+    with pytest.raises(ConversionError, match=re.escape(message)) as info:
         recipe_from_hf_config(config, "gpt-oss-20b")
     assert "\n" not in str(info.value) and str(info.value).startswith("config.json: ")
 
@@ -243,8 +269,10 @@ def test_recipe_refuses_the_fused_bias_clamp_path():
         check_gpt_oss_expert_math(gpu.config)
 
 
-def test_missing_and_unused_tensors_are_named(ep2):
-    """A checkpoint with a tensor missing, or one no parameter uses, fails with one line naming it."""
+def test_broken_checkpoints_are_one_line_naming_the_tensor(ep2):
+    """A checkpoint with a tensor missing, one no parameter uses, an MXFP4 ``_scales`` of the wrong
+    shape, a quantization_config over plain expert tensors or a tensor stored in two shards fails
+    with one line naming the tensor."""
     for res in ep2["results"]:
         for (case, name), message in zip(BROKEN.items(), res["errors"]):
             assert message is not None and name in message and "\n" not in message, (case, message)
@@ -261,30 +289,90 @@ def _run(args, **kwargs):
                           **kwargs)
 
 
-def test_finetune_from_hf_then_export(tmp_path):
-    """finetune.py --hf-checkpoint (2 ranks, LLEP) trains one step from the HF weights and saves;
-    ``python -m recipes.hf export`` (one process, another layout) writes a checkpoint transformers
-    loads, with the original config.json and tensor names."""
-    from transformers import GptOssForCausalLM
+def test_finetune_from_mxfp4_then_export(tmp_path):
+    """finetune.py --hf-checkpoint of the MXFP4 release layout (2 ranks, LLEP) trains one step at a
+    fine-tuning learning rate (1e-4) and saves; ``python -m recipes.hf export`` (one process, another
+    layout) writes it in fp32 (--dequantized: the bf16 original's config.json and tensor names) and
+    in MXFP4 again (--quant-source: the source's names and config.json). Each expert weight
+    transformers loads from the MXFP4 export errs at most 2x plain MX round-to-nearest of the trained
+    weight (the float64 reference of tests/test_hf_quant_export.py), and transformers running it
+    agrees with the trained model on >= 0.99 of the logit check's top-1 tokens, as the export's own
+    check reports."""
+    from test_hf_quant_export import reference_mxfp4
+    from transformers import GptOssForCausalLM, Mxfp4Config
 
-    hf_dir, ckpt, out = str(tmp_path / "hf"), str(tmp_path / "ckpt"), str(tmp_path / "out")
-    original = W.save_tiny_model(hf_dir, vocab_size=320)  # the byte tokenizer's 258 ids fit
+    from recipes.hf.__main__ import LOGIT_CHECK_MIN_AGREEMENT, LOGIT_CHECK_PROMPTS, LOGIT_CHECK_SEED
+
+    hf_dir, mxfp4_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "hf_mxfp4"), str(tmp_path / "ckpt")
+    original = W.save_tiny_model(hf_dir, mxfp4_dir, vocab_size=320)  # the byte tokenizer's 258 ids fit
     result = _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "recipes/finetune.py", "--recipe",
-                   "gpt-oss-tiny", "--hf-checkpoint", hf_dir, "--train-iters", "1", "--lr-warmup-iters", "0", "--seq-length", "32",
-                   "--save", ckpt])
+                   "gpt-oss-tiny", "--hf-checkpoint", mxfp4_dir, "--train-iters", "1", "--lr", "1e-4",
+                   "--lr-warmup-iters", "0", "--seq-length", "32", "--save", ckpt])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"[finetune] imported {hf_dir}" in result.stdout and "[hf] layer 3 imported" in result.stdout
+    assert f"[finetune] imported {mxfp4_dir}" in result.stdout and "[hf] layer 3 imported" in result.stdout
     spilled = re.search(r"LLEP (\d)/4 layers spilled", result.stdout)
     assert spilled and int(spilled.group(1)) >= 1, result.stdout[-2000:]  # the router bias's imbalance
-    result = _run(["-m", "recipes.hf", "export", "--load", ckpt, "--out", out, "--expert-model-parallel-size", "1"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(os.path.join(hf_dir, "config.json")) as f, open(os.path.join(out, "config.json")) as g:
-        assert json.load(f) == json.load(g)
-    assert sorted(_tensors(out)) == sorted(_tensors(hf_dir))
-    tuned = GptOssForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
-    ids = W.token_ids()
-    change = W.rel_err(W.reference_logits(tuned, ids), W.reference_logits(original, ids))
-    assert 1e-4 < change < 1.0  # one optimizer step moved the weights
+    exports = {}
+    for name, flags, source in (("fp32", ["--dequantized", "--dtype", "fp32"], hf_dir),
+                                ("mxfp4", ["--quant-source", mxfp4_dir], mxfp4_dir)):
+        exports[name] = out = str(tmp_path / name)
+        result = _run(["-m", "recipes.hf", "export", "--load", ckpt, "--out", out, "--expert-model-parallel-size", "1",
+                       *flags])
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(os.path.join(source, "config.json")) as f, open(os.path.join(out, "config.json")) as g:
+            assert json.load(f) == json.load(g)
+        assert sorted(_tensors(out)) == sorted(_tensors(source))
+    reported = float(re.search(r"top-1 agreement ([0-9.]+)", result.stdout).group(1))
+    assert reported >= LOGIT_CHECK_MIN_AGREEMENT, result.stdout
+    trained = GptOssForCausalLM.from_pretrained(exports["fp32"], attn_implementation="eager", dtype=torch.float32)
+    exported = GptOssForCausalLM.from_pretrained(exports["mxfp4"], attn_implementation="eager", dtype=torch.float32,
+                                                 quantization_config=Mxfp4Config(dequantize=True))
+    loaded = exported.state_dict()
+    experts = [(n, w) for n, w in trained.state_dict().items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 2 * W.LAYERS
+    for name, weight in experts:  # [E, in, out]; the blocks hold [E, out, in]
+        plain = reference_mxfp4(weight.transpose(1, 2))["plain"]
+        assert 0 < float((loaded[name].double() - weight.double()).square().sum()) <= 4 * plain, name
+    ids = torch.randint(0, 320, LOGIT_CHECK_PROMPTS, generator=torch.Generator().manual_seed(LOGIT_CHECK_SEED))
+    as_trained = W.reference_logits(trained, ids)
+    agreement = float((W.reference_logits(exported, ids).argmax(-1) == as_trained.argmax(-1)).float().mean())
+    assert agreement >= LOGIT_CHECK_MIN_AGREEMENT
+    assert 1e-4 < W.rel_err(as_trained, W.reference_logits(original, ids)) < 1.0  # the optimizer step moved the weights
+
+
+def test_import_config_error_is_one_line_before_any_process_group(tiny, tmp_path):
+    """``python -m recipes.hf import`` on 2 ranks of a checkpoint whose config.json names another
+    model_type: config.json is read before any process group starts (no gloo start-up for a rank
+    leaving early to break), rank 0 prints one line, exit status 2, no rank traceback."""
+    directory = tmp_path / "llama"
+    shutil.copytree(tiny["mxfp4_dir"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    result = _run(["-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "recipes.hf", "import", "--hf",
+                   str(directory), "--recipe", "gpt-oss-tiny", "--out", str(tmp_path / "out")])
+    out = result.stdout + result.stderr
+    lines = [line for line in out.splitlines() if line.startswith("[recipes.hf] error:")]
+    assert len(lines) == 1 and "config.json: model_type = 'llama', expected 'gpt_oss'" in lines[0], out[-3000:]
+    assert 'recipes/hf/__main__.py"' not in out and "gloo" not in out.lower(), out[-3000:]
+    assert "exitcode  : 2" in result.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_a_vocabulary_tensor_parallelism_cannot_split_is_one_line(tiny, tmp_path):
+    """Megatron-Core splits the vocabulary into TP equal shards: an odd one at TP = 2 is one line
+    naming the field and the flag (checked with the layout, before any process group or model)."""
+    from recipes import finetune, model_building
+
+    directory = tmp_path / "odd"
+    shutil.copytree(tiny["hf_dir"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(dict(config, vocab_size=263)))
+    args = finetune.parse_args(["--recipe", "gpt-oss-tiny", "--hf-checkpoint", str(directory),
+                                "--tensor-model-parallel-size", "2"])
+    with pytest.raises(finetune.ConfigError, match=r"^config.json's vocab_size = 263 is not divisible by "
+                                                   r"--tensor-model-parallel-size 2 \(Megatron-Core splits"):
+        model_building.layout_for(args, 2, torch.device("cpu"))
+    args.tensor_model_parallel_size = 1  # control: one shard
+    assert model_building.layout_for(args, 2, torch.device("cpu"))[1]["tp"] == 1
 
 
 def test_cli_usage_errors_exit_2(tmp_path):

@@ -4,8 +4,7 @@ path of recipes.hf.convert): gpt-oss's MXFP4 experts and DeepSeek-V3's block FP8
 References are independent of the code under test: quantizers written here in float64 (and
 DeepSeek's amax / 448 rule as tests/test_hf_quant.py writes it), transformers' own dequantizers and
 model classes loading the exported directories, and the source checkpoints' raw bits. Negative
-controls: a flipped nibble / scale byte / scale_inv fails the comparisons; a value off by one ulp
-loses its block's source scale.
+controls: a flipped nibble, a scale one exponent off, a doubled scale_inv fail the comparisons.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -32,50 +32,194 @@ from recipes.hf.quant import (QuantStats, dequantize_fp8_blockwise, dequantize_m
                               quantize_mxfp4)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+E4M3 = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)  # codes 0..126: 0 .. 448
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
 
 
-def reference_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 MXFP4 quantizer: per 32 values the smallest power of two 2**e with amax <= 6 * 2**e
-    (found by search, not by frexp), codes = nearest E2M1 magnitude, ties to the even code."""
+def _nearest(magnitudes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """float64 magnitudes -> index of the nearest ``table`` entry by distance to every one (above
+    the last: the last), ties to the even index (the even code: E2M1, e4m3)."""
+    dist = (magnitudes[..., None] - table).abs()
+    ties = dist == dist.min(-1, keepdim=True).values
+    even_tied = torch.where(ties[..., 0::2], torch.arange(0, table.numel(), 2), table.numel()).min(-1).values
+    return torch.where(ties.sum(-1) > 1, even_tied, dist.argmin(-1))
+
+
+def reference_mxfp4(x: torch.Tensor, source_scales: Optional[torch.Tensor] = None) -> dict:
+    """float64 re-implementation of the export's MXFP4 rule, from its definition: per 32 values the
+    candidate exponents are the source's, the OCP MX one floor(log2(amax)) - 2 (log2 here, not
+    frexp) and its two neighbours; under each, codes = the nearest E2M1 magnitude (ties to the even
+    code, saturating at 6) with the value's sign; the block takes the smallest squared error, the
+    earliest candidate on a tie. Returns blocks, scales, the dequantized values (float64) and the
+    squared errors of the choice and of plain MX round-to-nearest."""
     *lead, n = x.shape
     g = x.double().reshape(-1, 32)
     amax = g.abs().amax(1)
-    e = torch.full_like(amax, -127.0)
-    for k in range(-127, 128):  # ascending: the first k that holds amax wins
-        fits = (amax > 0) & (amax <= 6.0 * 2.0 ** k) & (e == -127.0)
-        e[fits] = k
-    scaled = (g / torch.exp2(e)[:, None]).abs()
-    dist = (scaled[..., None] - E2M1).abs()
-    ties = (dist == dist.min(-1, keepdim=True).values)
-    even_tied = torch.where(ties[..., 0::2], torch.arange(0, 8, 2), 99).min(-1).values
-    code = torch.where(ties.sum(-1) > 1, even_tied, dist.argmin(-1))
-    code = code | (torch.signbit(g).long() << 3)
-    blocks = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
-    return blocks.reshape(*lead, n // 32, 16), (e + 127).to(torch.uint8).reshape(*lead, n // 32)
+    mx = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127.0)).clamp(-127, 127)
+    candidates = [mx, (mx + 1).clamp(max=127), (mx - 1).clamp(min=-127)]
+    if source_scales is not None:
+        candidates.insert(0, source_scales.reshape(-1).double() - 127)
+    sign = torch.where(torch.signbit(g), -1.0, 1.0)
+    best = None
+    for e in candidates:
+        index = _nearest((g / torch.exp2(e)[:, None]).abs(), E2M1)
+        values = E2M1[index] * sign * torch.exp2(e)[:, None]
+        err = (values - g).square().sum(1)
+        code = index | (torch.signbit(g).long() << 3)
+        if best is None:
+            best = dict(err=err, e=e, code=code, values=values)
+        else:
+            better = err < best["err"]
+            for key, new in dict(err=err, e=e, code=code, values=values).items():
+                best[key] = torch.where(better[:, None] if new.dim() == 2 else better, new, best[key])
+        if e is mx:
+            plain = float(err.sum())
+    code = best["code"]
+    return dict(blocks=(code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).reshape(*lead, n // 32, 16),
+                scales=(best["e"] + 127).to(torch.uint8).reshape(*lead, n // 32),
+                values=best["values"].reshape(*lead, n), err=float(best["err"].sum()), plain=plain)
+
+
+def reference_fp8(w: torch.Tensor, block: tuple, source_scale_inv: torch.Tensor) -> dict:
+    """float64 re-implementation of the export's FP8 rule: per block, codes = w / scale (float32, as
+    DeepSeek divides) clamped to +-448, nearest e4m3 value (ties to the even code) from the decoded
+    code table; a block keeps the source scale where the float32 dequantization rounded to w's dtype
+    is w bit for bit, else the scale (source's, then amax / 448) with the smaller squared error."""
+    bm, bn = block
+    rows, cols = w.shape
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    scale_inv = torch.empty(source_scale_inv.shape, dtype=torch.float32)
+    values = torch.empty(rows, cols, dtype=torch.float32)
+    err_total = plain = 0.0
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            x = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+            amax = float(x.float().abs().max())
+            options = []
+            for scale in (source_scale_inv[i, j].float(), torch.tensor(amax / 448.0 if amax else 1.0)):
+                scaled = (x.float() / scale).double().clamp(-448.0, 448.0)
+                index = _nearest(scaled.abs(), E4M3)
+                code = index.to(torch.uint8) | (torch.signbit(scaled).to(torch.uint8) << 7)
+                back = (E4M3[index] * torch.where(torch.signbit(scaled), -1.0, 1.0)).float() * scale
+                options.append((float((back.double() - x.double()).square().sum()), scale, code, back))
+            exact = torch.equal(options[0][3].to(w.dtype).view(torch.uint8), x.contiguous().view(torch.uint8))
+            err, scale, code, back = options[0] if exact or options[0][0] <= options[1][0] else options[1]
+            codes[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn], values[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = code, back
+            scale_inv[i, j] = scale
+            err_total, plain = err_total + err, plain + options[1][0]
+    return dict(weight=codes.view(torch.float8_e4m3fn), scale_inv=scale_inv, values=values, err=err_total, plain=plain)
+
+
+def _trained(values: torch.Tensor, step: float, gen: torch.Generator) -> torch.Tensor:
+    """``values`` after a pretend fine-tuning: every value moved by ``step`` up or down (Adam's
+    first steps move each weight by about the learning rate)."""
+    signs = torch.randint(0, 2, values.shape, generator=gen).to(values.dtype) * 2 - 1
+    return values + step * signs
 
 
 # ---------------------------------------------------------------------------------------------
-# the quantizers against independent ones
+# the quantizers against independent ones and transformers' dequantization
 # ---------------------------------------------------------------------------------------------
 
 
-def test_fresh_mxfp4_is_the_reference_quantizer():
+def test_mxfp4_export_rule_is_the_float64_reference_and_transformers_loads_it():
+    """Without a source (every E8M0 exponent, an all-zero block, every E2M1 tie) and with one
+    (a fine-tuned copy of random MXFP4 weights): bits = the float64 reference's; transformers'
+    ``convert_moe_packed_tensors`` loads the reference's values; the error of the trained copy is
+    the training change (each value back on its source code), below 2x plain MX round-to-nearest.
+    Negative controls: a scale one exponent off and a flipped nibble change what transformers loads
+    and raise the error."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    def loaded(blocks, scales):  # what GptOssExperts holds is the transpose: back to the stored layout
+        return convert_moe_packed_tensors(blocks[None], scales[None], dtype=torch.float32)[0].t()
+
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 256, generator=gen) * torch.exp2(torch.randint(-20, 20, (6, 1), generator=gen).float())
     x[0, :32] = 0.0
     x[1, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # every tie, amax 6
     x[1, 32:64] = -x[1, :32]
-    blocks, scales = quantize_mxfp4(x)
-    ref_blocks, ref_scales = reference_mxfp4(x)
-    assert torch.equal(blocks, ref_blocks) and torch.equal(scales[1:], ref_scales[1:])
-    assert torch.equal(dequantize_mxfp4(blocks, scales)[0, :32], torch.zeros(32))
-    # negative control: nibbles in the other order (high nibble first) is a different encoding
-    swapped = (ref_blocks >> 4) | (ref_blocks << 4)
-    assert not torch.equal(blocks, swapped)
+    source_blocks, source_scales = W.random_mxfp4((64, 128), gen)  # the gpt-oss test checkpoints' weights
+    trained = _trained(dequantize_mxfp4(source_blocks, source_scales), 1e-3, gen)
+    for values, source in ((x, None), (trained, source_scales)):
+        stats = QuantStats()
+        blocks, scales = quantize_mxfp4(values, source, stats=stats)
+        ref = reference_mxfp4(values, source)
+        assert torch.equal(blocks, ref["blocks"]) and torch.equal(scales, ref["scales"])
+        assert same_bits(loaded(blocks, scales), ref["values"].float())
+        assert stats.err_sq == pytest.approx(ref["err"], rel=1e-12)
+        assert stats.plain_err_sq == pytest.approx(ref["plain"], rel=1e-12)
+    change = float((trained.double() - dequantize_mxfp4(source_blocks, source_scales).double()).square().sum())
+    assert stats.relative <= 2 * stats.plain_relative and ref["err"] == pytest.approx(change, rel=1e-9)
+    assert stats.reused == stats.blocks  # 1e-3 is far below half an E2M1 step: every block keeps its source scale
+    # negative controls, on the trained copy
+    off = scales.clone()
+    off[5, 2] += 1  # one exponent off
+    flipped = blocks.clone()
+    flipped[7, 1, 3] ^= 0x10  # one nibble (the high one: the later value)
+    for blocks_, scales_ in ((blocks, off), (flipped, scales)):
+        wrong = loaded(blocks_, scales_)
+        assert not torch.equal(wrong, ref["values"].float())
+        assert float((wrong.double() - trained.double()).square().sum()) > 2 * ref["err"]
+
+
+def test_mxfp4_blocks_training_moved_take_the_scale_that_errs_least():
+    """The two blocks each single rule gets wrong, worked by hand: a block whose top value training
+    pushed 1 % above 6 x its source scale 2**-2 keeps that scale (saturating it errs 0.015; a fresh
+    "amax / scale <= 6" scale 2**-1 would put its 0.375s on 0.5, 0.125 off each), and without a
+    source a block whose amax fell just under 4 x 2**-2 takes the MX exponent's neighbour -2 (the
+    MX exponent -3 saturates 0.999 to 0.75), and an outlier 4 over 31 values 0.25 takes the other
+    neighbour -1 (saturating 4 to 3 errs 1; the MX exponent 0 rounds each 0.25, a tie, to the even
+    code 0: 31 x 0.25**2 = 1.94)."""
+    top = torch.full((1, 32), 0.375)  # 1.5 x 2**-2
+    top[0, 0] = 1.5 * 1.01  # 6 x 2**-2, 1 % up
+    stats = QuantStats()
+    blocks, scales = quantize_mxfp4(top, torch.tensor([[125]], dtype=torch.uint8), stats=stats)
+    assert scales.tolist() == [[125]] and stats.reused == 1
+    assert dequantize_mxfp4(blocks, scales)[0, 0] == 1.5 and stats.max_abs == pytest.approx(0.015, rel=1e-6)
+    under = torch.full((1, 32), 0.25)
+    under[0, 0] = 0.999  # 4 x 2**-2 x (1 - 2.5e-4)
+    stats = QuantStats()
+    blocks, scales = quantize_mxfp4(under, stats=stats)
+    assert scales.tolist() == [[125]] and stats.neighbours == 1
+    assert dequantize_mxfp4(blocks, scales)[0, 0] == 1.0
+    assert stats.plain_relative > 50 * stats.relative  # the MX exponent alone: 0.999 -> 0.75
+    outlier = torch.full((1, 32), 0.25)
+    outlier[0, 0] = 4.0
+    stats = QuantStats()
+    blocks, scales = quantize_mxfp4(outlier, stats=stats)
+    assert scales.tolist() == [[126]] and stats.neighbours == 1
+    assert stats.err_sq == 1.0 and stats.plain_err_sq == 31 * 0.25**2
+
+
+def test_fp8_export_rule_is_the_float64_reference_and_transformers_loads_it():
+    """A fine-tuned copy of DeepSeek-rule FP8 weights (bf16, as imported on a GPU), one block
+    grown 3x (its source scale would saturate it): bits = the float64 reference's, transformers'
+    ``Fp8Dequantize`` loads its values, untouched blocks keep the source's bits, the error is at
+    most 2x plain amax / 448 round-to-nearest. Negative control: a scale_inv doubled."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    gen = torch.Generator().manual_seed(4)
+    fp8, source = quantize_fp8(torch.randn(256, 384, generator=gen) * 0.05, (128, 128))
+    weight = dequantize_fp8_blockwise(fp8, source, dtype=torch.bfloat16)
+    trained = weight.clone()
+    trained[:128] = _trained(weight[:128].float(), 5e-4, gen).to(torch.bfloat16)  # row block 0 trained
+    trained[128:, 256:] *= 3  # block (1, 2) grown beyond its source scale's range
+    stats = QuantStats()
+    got, scale_inv = quantize_fp8_blockwise(trained, (128, 128), source, stats=stats)
+    ref = reference_fp8(trained, (128, 128), source)
+    assert torch.equal(_raw(got), _raw(ref["weight"])) and same_bits(scale_inv, ref["scale_inv"])
+    assert same_bits(Fp8Dequantize(None)._dequantize_one(got, scale_inv, output_dtype=torch.float32), ref["values"])
+    assert torch.equal(_raw(got[128:, :256]), _raw(fp8[128:, :256])) and same_bits(scale_inv[1, :2], source[1, :2])
+    assert not same_bits(scale_inv[1, 2:], source[1, 2:])  # the grown block: amax / 448
+    assert stats.reused == 5 and stats.err_sq == pytest.approx(ref["err"], rel=1e-12)
+    assert stats.relative <= 2 * stats.plain_relative
+    doubled = scale_inv.clone()
+    doubled[0, 1] *= 2
+    assert not same_bits(Fp8Dequantize(None)._dequantize_one(got, doubled, output_dtype=torch.float32), ref["values"])
 
 
 def test_fresh_fp8_is_deepseeks_rule():
@@ -92,7 +236,8 @@ def test_fresh_fp8_is_deepseeks_rule():
 @pytest.mark.parametrize("held", ["float32", "bfloat16", "bfloat16 in float32"])
 def test_source_scales_give_back_the_source_bits(held):
     """Imported values (dequantized in the import dtype) + the source scales -> the source's bits,
-    for every block, including -0.0 codes and a wide range of scales; fresh scales would not."""
+    for every block, including -0.0 codes and a wide range of scales; without the source, the
+    same values but not the same bits."""
     gen = torch.Generator().manual_seed(5)
     blocks = torch.randint(0, 256, (4, 64, 4, 16), generator=gen, dtype=torch.int32).to(torch.uint8)
     blocks[0, 0] = 0x08  # -0.0 codes
@@ -110,18 +255,20 @@ def test_source_scales_give_back_the_source_bits(held):
     assert stats.reused == stats.blocks == scales.numel() and stats.max_abs == 0.0
     got_fp8, got_scale_inv = quantize_fp8_blockwise(weight, (128, 128), scale_inv)
     assert torch.equal(_raw(got_fp8), _raw(fp8)) and same_bits(got_scale_inv, scale_inv)
-    # fresh scales hold the same MXFP4 values but not the same bits (the ambiguity the source settles)
+    # without the source: the same MXFP4 values but not the same bits (the ambiguity the source settles)
     fresh_blocks, fresh_scales = quantize_mxfp4(values)
     assert torch.equal(dequantize_mxfp4(fresh_blocks, fresh_scales), values.float())
     assert not torch.equal(fresh_scales, scales)
     if values.dtype == torch.bfloat16:  # amax / 448 of bf16-rounded values is not the source's scale
         assert not same_bits(quantize_fp8_blockwise(weight, (128, 128))[1], scale_inv)
-    # negative control: one value one ulp off -> its block gets a fresh scale, the others keep theirs
+    # negative control: one value one ulp off comes back as the source's value, its error counted
     nudged = values.clone()
     nudged[2, 3, 40] = torch.nextafter(nudged[2, 3, 40], torch.tensor(float("inf"), dtype=nudged.dtype))
     stats = QuantStats()
-    quantize_mxfp4(nudged, scales, stats=stats)
-    assert stats.reused == stats.blocks - 1 and stats.max_abs > 0
+    got_blocks, got_scales = quantize_mxfp4(nudged, scales, stats=stats)
+    assert torch.equal(got_blocks, blocks) and torch.equal(got_scales, scales)
+    assert stats.reused == stats.blocks and stats.max_abs == float((nudged[2, 3, 40] - values[2, 3, 40]).abs())
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +500,7 @@ def _check_report(stats: dict, groups: dict, quantized: dict, plain: dict, dequa
                          sum(plain[n].double().square().sum() for n in names).sqrt())
         assert stats[group].max_abs == pytest.approx(max_abs, rel=1e-12), group
         assert stats[group].relative == pytest.approx(relative, rel=1e-9), group
-        assert 0 < stats[group].relative < 0.2 and stats[group].reused < stats[group].blocks, group
+        assert 0 < stats[group].relative <= 2 * stats[group].plain_relative, group
 
 
 def test_gpt_oss_error_report_and_logit_check_after_training(exported):
@@ -410,6 +557,36 @@ def test_deepseek_error_report_after_training(exported):
     _check_report(res["tuned"].quantization, groups, quantized, plain, dequantize)
     assert W.rel_err(res["exported_logits"], res["trained_logits"]) > 1e-5
 
+
+
+def test_an_export_below_the_logit_check_threshold_is_removed_unless_accepted(tmp_path, capsys):
+    """``python -m recipes.hf export``'s verdict on its logit check: at the threshold the export
+    stays; below it, with --accept-logit-difference, it stays with one warning line; without, its
+    files (and only its files) are removed, one error line, exit status 1."""
+    from recipes.hf.__main__ import LOGIT_CHECK_MIN_AGREEMENT, finish_logit_check
+    from recipes.hf.checkpoint import HFCheckpointWriter
+
+    out = str(tmp_path / "export")
+    writer = HFCheckpointWriter(out, config={"model_type": "gpt_oss"}, max_shard_bytes=16)
+    writer.add("a", torch.zeros(8))
+    writer.add("b", torch.ones(8))
+    files = writer.close()
+    (tmp_path / "export" / "README.md").write_text("the user's own file")
+    written = sorted(os.listdir(out))
+    assert len(files) == 2 and len(written) == 5
+    finish_logit_check(LOGIT_CHECK_MIN_AGREEMENT, out, files, False, 0)
+    assert sorted(os.listdir(out)) == written and capsys.readouterr().err == ""
+    finish_logit_check(0.95, out, files, True, 0)
+    assert sorted(os.listdir(out)) == written
+    assert capsys.readouterr().err == ("[recipes.hf] warning: logit check: the exported model's top-1 agreement with the "
+                                       "model as trained is 0.9500, below 0.99 (docs/finetune.md, export in the "
+                                       "published precision); the export is kept (--accept-logit-difference)\n")
+    with pytest.raises(SystemExit) as info:
+        finish_logit_check(0.95, out, files, False, 0)
+    assert info.value.code == 1 and os.listdir(out) == ["README.md"]
+    err = capsys.readouterr().err
+    assert err.startswith("[recipes.hf] error: logit check: ") and err.count("\n") == 1
+    assert f"removed the exported files from {out}; pass --accept-logit-difference" in err
 
 
 def _export_args(**flags) -> argparse.Namespace:

@@ -2,9 +2,9 @@
 DeepSeek-V3 transformers models imported at TP = 2 and TP = 2 x EP = 2 (LLEP layers), logits
 against transformers' (fp32, the parity tests' tolerance), every rank reading only its own
 parameters' bytes (the embedding and output layer as vocabulary shards); export bit-identical to
-the original bf16 tensors. Negative controls: one parameter's partition dim flipped (row vs
-column) is refused on import and makes that tensor differ on export; DeepSeek-V3's gate/up
-rank-block layout dropped breaks the logits. Transformer Engine parameter names (listed from
+the original bf16 tensors; the MXFP4 export's logit check. Negative controls: one parameter's
+partition dim flipped (row vs column) is refused on import and makes that tensor differ on export;
+DeepSeek-V3's gate/up rank-block layout dropped breaks the logits. Transformer Engine parameter names (listed from
 Megatron-Core's TE specs) map to the same Hugging Face tensors as the local spec's."""
 
 import re
@@ -26,10 +26,10 @@ LAYOUTS = {"tp2": (2, 1), "tp2_ep2": (2, 2)}
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_tp")
     gpt_oss_dir, deepseek_dir = str(root / "gpt_oss"), str(root / "deepseek_v3")
-    gpt_oss_model = GO.save_tiny_model(gpt_oss_dir)
+    gpt_oss_model = GO.save_tiny_model(gpt_oss_dir, str(root / "gpt_oss_mxfp4"))
     gpt_oss_ids = GO.token_ids()
     deepseek_ref = DS.build_reference(deepseek_dir, DS.tiny_hf_config())
-    return dict(root=root, refs={
+    return dict(root=root, mxfp4=str(root / "gpt_oss_mxfp4"), refs={
         "gpt-oss": (gpt_oss_dir, gpt_oss_ids, GO.reference_logits(gpt_oss_model, gpt_oss_ids), GPT_OSS_TOLERANCE),
         "deepseek-v3": (deepseek_dir, deepseek_ref["ids"], deepseek_ref["logits"], DEEPSEEK_TOLERANCE)})
 
@@ -43,7 +43,7 @@ def launches(checkpoints):
         for family, (hf_dir, ids, reference, _) in checkpoints["refs"].items():
             root = checkpoints["root"] / f"{family}_{layout}"
             jobs.append(W.Job(family, hf_dir, ids, reference, tp, ep, str(root / "export"),
-                              str(root / "export_wrong_dim")))
+                              str(root / "export_wrong_dim"), checkpoints["mxfp4"] if family == "gpt-oss" else None))
         per_rank = run_distributed(W.run, tp * ep, jobs, timeout_s=300)
         for k, job in enumerate(jobs):
             results[job.family, layout] = [rank_results[k] for rank_results in per_rank]
@@ -79,6 +79,15 @@ def test_vocabulary_matrices_are_read_as_shards(launch):
 def test_export_reproduces_the_checkpoint(launch):
     original = W.checkpoint_tensors(launch["job"].hf_dir)
     assert W.first_difference(original, W.checkpoint_tensors(launch["job"].export_dir)) is None
+
+
+def test_the_quantized_exports_logit_check_runs_on_vocabulary_shards(launches):
+    """gpt-oss's MXFP4 export check at TP = 2 and TP = 2 x EP = 2 (the embedding and output layer
+    read back as vocabulary shards): the untouched import's quantized round trip computes exactly
+    its logits (the tiny DeepSeek-V3 here is bf16; its FP8 check: tests/test_hf_quant_export.py)."""
+    for layout in LAYOUTS:
+        for res in launches["gpt-oss", layout]:
+            assert res["logit_check_max_abs"] == 0.0, layout
 
 
 def test_wrong_partition_dim_fails(launch):

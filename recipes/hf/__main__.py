@@ -16,16 +16,20 @@ experts in their original order even if the run used a CAP placement)::
 
 A model imported from a quantized checkpoint (config.json's ``quantization_config``: gpt-oss's MXFP4
 experts, DeepSeek-V3's block FP8) is exported in that precision, with the same tensor names and
-quantization_config: ``--quant-source DIR`` (the checkpoint imported) lends its block scales, so
-every block training left unchanged comes out bit for bit as it went in, and its shard layout (each
-tensor in the shard file its index names; ``--max-shard-size-gib`` applies without it); ``--fresh-scales``
-computes new scales for every block; ``--dequantized`` writes plain ``--dtype`` weights instead.
-One of them is required for such a model. The export prints the quantization error per tensor
-group and its peak memory per rank.
+quantization_config, each block under the scale that errs least (recipes/hf/quant.py):
+``--quant-source DIR`` (the checkpoint imported) lends its block scales, so every block training
+left unchanged comes out bit for bit as it went in, and its shard layout (each tensor in the shard
+file its index names; ``--max-shard-size-gib`` applies without it); ``--fresh-scales`` chooses among
+new scales only; ``--dequantized`` writes plain ``--dtype`` weights instead. One of them is required
+for such a model. The export prints the quantization error per tensor group, the logit check (the
+model as trained vs as exported on a fixed prompt set) and its peak memory per rank; an export
+whose top-1 agreement falls below ``LOGIT_CHECK_MIN_AGREEMENT`` is removed again (exit status 1)
+unless ``--accept-logit-difference``.
 
 The model sizes come from the config.json recorded in the checkpoint (runs started from
 ``--hf-checkpoint`` or ``import``), from ``--hf-config``, or from the recipe. Any TP/PP/EP layout
-can export any checkpoint (dist_checkpointing reshards). Errors are one line, exit status 2.
+can export any checkpoint (dist_checkpointing reshards). Errors are one line from rank 0, exit status 2
+(config.json and the layout of an import are checked before any process group starts).
 """
 
 from __future__ import annotations
@@ -39,10 +43,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from recipes.entry_point import EntryPoint, RankZeroArgumentParser, check_numeric_domains, check_writable_directories
+from recipes.entry_point import (EntryPoint, RankZeroArgumentParser, check_numeric_domains, check_writable_directories,
+                                  launch_rank)
 
-PREFIX = "[recipes.hf]"
-ENTRY = EntryPoint("recipes.hf")
+ENTRY = EntryPoint("recipes.hf")  # its lines: "[recipes.hf] ...", errors once per job from rank 0
+
+LOGIT_CHECK_PROMPTS = (4, 64)  # the fixed prompt set of the export's logit check: sequences x tokens
+LOGIT_CHECK_SEED = 0
+# below this top-1 agreement with the model as trained the export refuses (removes what it wrote, exit 1)
+# unless --accept-logit-difference
+LOGIT_CHECK_MIN_AGREEMENT = 0.99
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,19 +84,32 @@ def _parser() -> argparse.ArgumentParser:
     precision = exp.add_mutually_exclusive_group()
     precision.add_argument("--quant-source", default=None, metavar="DIR",
                            help="the quantized Hugging Face checkpoint the model was imported from: export in its "
-                                "precision and shard layout, reusing its block scales (unchanged blocks are bit-identical)")
+                                "precision and shard layout, each block under the scale that errs least, its own block "
+                                "scale among them (unchanged blocks are bit-identical)")
     precision.add_argument("--fresh-scales", action="store_true",
-                           help="export in the source's precision (quantization_config) with new scales for every block")
+                           help="export in the source's precision (quantization_config), each block under the new "
+                                "scale that errs least")
     precision.add_argument("--dequantized", action="store_true",
                            help="write plain --dtype weights even if the source checkpoint was quantized")
     exp.add_argument("--skip-logit-check", action="store_true",
                      help="with a quantized export, skip comparing the logits on a fixed prompt set before and after "
                           "quantization (PP = 1 only)")
+    exp.add_argument("--accept-logit-difference", action="store_true",
+                     help=f"keep a quantized export whose top-1 agreement with the model as trained (the logit check) "
+                          f"is below {LOGIT_CHECK_MIN_AGREEMENT}, with a warning; without it such an export is removed "
+                          "and the command exits with status 1")
     return parser
 
 
 def _single_process_env() -> None:
-    """Run as one process when not started by torchrun."""
+    """Run as one process when started by neither torchrun nor srun (whose variables give RANK and
+    WORLD_SIZE: the import checks its layout before any process group starts)."""
+    from recipes.launch_env import rendezvous_env_from_slurm
+
+    try:
+        rendezvous_env_from_slurm()
+    except ValueError as err:  # inconsistent SLURM_* variables
+        ENTRY.fail(err, launch_rank())
     if "RANK" in os.environ:
         return
     with socket.socket() as sock:
@@ -95,40 +118,29 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def _fail(message: str, status: int = 2) -> None:
-    """One line from rank 0; exit ``status`` (2: bad input, 1: a run that failed, e.g. on a full disk)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    raise SystemExit(status)
-
-
-def _log(message: str) -> None:
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        print(f"{PREFIX} {message}", flush=True)
+def _launch_world_size() -> int:
+    """The job's world size before any process group exists (torchrun's, srun's, or 1)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    return int(value) if value.isdigit() else 1
 
 
 def run_import(args: argparse.Namespace, rest: list[str]) -> str:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from recipes import checkpointing, finetune
+    from recipes import checkpointing, finetune, model_building
 
     fargs = finetune.parse_args(["--recipe", args.recipe, "--hf-checkpoint", args.hf, "--save", args.out,
                                  *(["--hf-drop-mtp"] if args.hf_drop_mtp else []), *rest])
+    # config.json and the layout before any process group starts: every rank finds a bad one alike,
+    # rank 0 reports it and the others wait for the launcher to end them
+    try:
+        hf_config, layout = model_building.layout_for(fargs, _launch_world_size(),
+                                                      torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    except finetune.ConfigError as err:
+        ENTRY.fail(err, launch_rank())
     rank, world, device = finetune.init_distributed()
     ENTRY.lock_save_directory(args.out, rank, "--out")  # one run per save directory, as in fine-tuning
-    try:
-        hf_config = finetune.hf_config_for(fargs)
-        num_experts = finetune.make_recipe(fargs, hf_config, cpu=device.type == "cpu").config.num_moe_experts
-        layout = finetune.parallel_layout(fargs, world, num_experts)
-    except finetune.ConfigError as err:
-        _fail(str(err))
     parallel_state.initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=layout["ep"],
                                              expert_tensor_parallel_size=1)
     torch.manual_seed(fargs.seed)
@@ -137,7 +149,7 @@ def run_import(args: argparse.Namespace, rest: list[str]) -> str:
         recipe, model, optimizer, scheduler = finetune.build(fargs, layout, device, 0, None, hf_config,
                                                              import_hf=args.hf)
     except finetune.ConfigError as err:
-        _fail(str(err))
+        ENTRY.fail(err, rank)
     # the distributed optimizer's sharded state needs Adam's (zero) state entries before any step
     checkpointing._create_empty_adam_state(optimizer)
     run_info = finetune.run_info_for(fargs, layout, world, hf_config)
@@ -145,10 +157,10 @@ def run_import(args: argparse.Namespace, rest: list[str]) -> str:
         directory = checkpointing.save_checkpoint(args.out, model, optimizer, scheduler,
                                                   checkpointing.TrainingProgress(), run_info)
     except checkpointing.CheckpointSaveError as err:  # e.g. a full disk: one line, the partial files removed
-        _fail(str(err), status=1)
-    _log(f"wrote {directory} ({recipe.name}, TP={layout['tp']} PP={layout['pp']} EP={layout['ep']}); fine-tune with: "
-         f"recipes/finetune.py --recipe {args.recipe} --load {args.out} --save {args.out} "
-         f"{' '.join(rest)}".rstrip())
+        ENTRY.fail(err, rank, status=1)
+    ENTRY.say(f"wrote {directory} ({recipe.name}, TP={layout['tp']} PP={layout['pp']} EP={layout['ep']}); fine-tune "
+              f"with: recipes/finetune.py --recipe {args.recipe} --load {args.out} --save {args.out} "
+              f"{' '.join(rest)}".rstrip())
     parallel_state.destroy_model_parallel()
     return directory
 
@@ -207,10 +219,6 @@ def export_quantizer(args: argparse.Namespace, hf_config: Optional[dict], family
     return ExportQuantizer(rules, hf_config, source, device=device)
 
 
-LOGIT_CHECK_PROMPTS = (4, 64)  # the fixed prompt set of the export's logit check: sequences x tokens
-LOGIT_CHECK_SEED = 0
-
-
 def quantization_logits(model, family, hf_config: dict, quantizer, device: torch.device,
                         dtype: torch.dtype = torch.bfloat16) -> tuple:
     """Logits ``(as trained, as exported)`` of the model on the fixed prompt set (seeded random
@@ -230,12 +238,36 @@ def quantization_logits(model, family, hf_config: dict, quantizer, device: torch
     return trained, exported
 
 
+def top1_agreement(trained: torch.Tensor, exported: torch.Tensor) -> float:
+    """The fraction of positions where both logits pick the same token."""
+    return float((exported.argmax(-1) == trained.argmax(-1)).float().mean())
+
+
 def logit_difference_line(trained: torch.Tensor, exported: torch.Tensor) -> str:
     diff = (exported - trained).abs()
-    agree = float((exported.argmax(-1) == trained.argmax(-1)).float().mean())
     return (f"logit difference, exported vs as trained ({LOGIT_CHECK_PROMPTS[0]} fixed prompts x "
             f"{LOGIT_CHECK_PROMPTS[1]} tokens): max abs {float(diff.max()):.3e}, relative "
-            f"{float(diff.max() / trained.abs().max()):.3e}, top-1 agreement {agree:.4f}")
+            f"{float(diff.max() / trained.abs().max()):.3e}, top-1 agreement {top1_agreement(trained, exported):.4f}")
+
+
+def finish_logit_check(agreement: float, out_dir: str, files: Sequence[str], accept: bool, rank: int) -> None:
+    """The logit check's verdict on an export written to ``out_dir`` (``files``: its shards) whose
+    top-1 agreement with the model as trained is ``agreement`` (the same on every rank): below
+    ``LOGIT_CHECK_MIN_AGREEMENT`` the export is removed and the command ends with one line, exit
+    status 1, unless ``accept`` (--accept-logit-difference), which keeps it with a warning line."""
+    from recipes.hf.checkpoint import remove_hf_checkpoint_files
+
+    if agreement >= LOGIT_CHECK_MIN_AGREEMENT:
+        return
+    problem = (f"logit check: the exported model's top-1 agreement with the model as trained is {agreement:.4f}, "
+               f"below {LOGIT_CHECK_MIN_AGREEMENT} (docs/finetune.md, export in the published precision)")
+    if accept:
+        ENTRY.say(f"warning: {problem}; the export is kept (--accept-logit-difference)", file=sys.stderr)
+        return
+    if rank == 0:
+        remove_hf_checkpoint_files(out_dir, files)
+    ENTRY.fail(RuntimeError(f"{problem}: removed the exported files from {out_dir}; pass --accept-logit-difference "
+                            "to keep such an export, or --dequantized for plain weights"), rank, status=1)
 
 
 def run_export(args: argparse.Namespace) -> str:
@@ -246,6 +278,7 @@ def run_export(args: argparse.Namespace) -> str:
 
     from megatron_llep.placement import read_checkpoint_placement
     from recipes import checkpointing, finetune
+    from recipes.model_building import check_vocabulary_split
     from recipes.hf.convert import ConversionError, export_hf_checkpoint, family_key, family_module
     from recipes.hf.quant import error_report
 
@@ -271,10 +304,11 @@ def run_export(args: argparse.Namespace) -> str:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         recipe = finetune.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
                                       cpu=device.type == "cpu")
+        check_vocabulary_split(recipe, tp, hf_config is not None)
         quantizer = export_quantizer(args, hf_config, family, device=device if device.type == "cuda" else None)
         shard_layout = quantizer.source.weight_map() if quantizer is not None and quantizer.source is not None else None
     except (ValueError, checkpointing.CheckpointError) as err:
-        _fail(str(err))
+        ENTRY.fail(err, rank)
     parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     model_parallel_cuda_manual_seed(0)
     model = GPTModel(recipe.config, recipe.layer_spec(), mtp_block_spec=recipe.mtp_spec(recipe.layer_spec()),
@@ -287,35 +321,40 @@ def run_export(args: argparse.Namespace) -> str:
     if mismatch:
         described = f"--hf-config {args.hf_config}" if args.hf_config else f"--recipe {args.recipe}" if args.recipe \
             else "what it records"
-        _fail(f"the model {described} describes is not the one {directory} holds: {mismatch}; give the config.json "
-              f"and recipe it was trained with{'' if described == 'what it records' else ' (or drop the flag)'}")
+        ENTRY.fail(ValueError(f"the model {described} describes is not the one {directory} holds: {mismatch}; give the "
+                              f"config.json and recipe it was trained with"
+                              f"{'' if described == 'what it records' else ' (or drop the flag)'}"), rank)
     loaded = dist_checkpointing.load(state, directory)
     model.load_state_dict(loaded["model"])
     placement = read_checkpoint_placement(directory)
     config_json = exported_config(hf_config, family.hf_config_from_recipe(recipe), quantized=quantizer is not None)
     export_dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     precision = f"{hf_config['quantization_config'].get('quant_method')}, " if quantizer is not None else ""
-    _log(f"exporting {directory} ({recipe.name}, {precision}{args.dtype}"
-         f"{', CAP placement undone' if placement else ''}) to {args.out}")
+    ENTRY.say(f"exporting {directory} ({recipe.name}, {precision}{args.dtype}"
+              f"{', CAP placement undone' if placement else ''}) to {args.out}")
     try:
         report = export_hf_checkpoint([model], recipe_name, args.out, config_json,
                                       dtype=export_dtype, placement=placement, max_shard_bytes=int(args.max_shard_size_gib * 2**30),
                                       quantizer=quantizer, shard_layout=shard_layout)
     except ConversionError as err:
-        _fail(str(err))
+        ENTRY.fail(err, rank)
     for line in error_report(report.quantization):
-        _log(line)
+        ENTRY.say(line)
     if quantizer is not None and not args.skip_logit_check:
         if pp > 1:
-            _log("logit check skipped: it runs at --pipeline-model-parallel-size 1")
+            ENTRY.say("logit check skipped: it runs at --pipeline-model-parallel-size 1")
         else:
             try:
-                _log(logit_difference_line(*quantization_logits(model, recipe_name, config_json, quantizer, device,
-                                                                dtype=export_dtype)))
+                trained, exported = quantization_logits(model, recipe_name, config_json, quantizer, device,
+                                                        dtype=export_dtype)
             except ConversionError as err:
-                _fail(str(err))
-    _log(f"wrote {report.tensors} tensors, {report.bytes_written / 2**20:.1f} MiB in {len(report.files)} shard(s) "
-         f"to {args.out} in {report.seconds:.1f} s; peak RSS +{report.peak_overhead / 2**20:.0f} MiB on rank 0")
+                ENTRY.fail(err, rank)
+            ENTRY.say(logit_difference_line(trained, exported))
+            agreement = [top1_agreement(trained, exported)]
+            dist.broadcast_object_list(agreement, src=0)  # rank 0's logits decide, for every rank alike
+            finish_logit_check(agreement[0], args.out, report.files, args.accept_logit_difference, rank)
+    ENTRY.say(f"wrote {report.tensors} tensors, {report.bytes_written / 2**20:.1f} MiB in {len(report.files)} shard(s) "
+              f"to {args.out} in {report.seconds:.1f} s; peak RSS +{report.peak_overhead / 2**20:.0f} MiB on rank 0")
     parallel_state.destroy_model_parallel()
     dist.barrier()
     return args.out

@@ -83,6 +83,7 @@ class HFCheckpoint:
         self.max_open = max(1, max_open)
         self._handles: OrderedDict[str, object] = OrderedDict()
         self._verified: set[str] = set()  # shards whose tensors were checked against the index
+        self._header_names: dict[str, set[str]] = {}  # shard -> the names its header lists, where asked
         self.bytes_read = 0
         self.names_read: set[str] = set()
 
@@ -126,13 +127,24 @@ class HFCheckpoint:
         return handle
 
     def _verify(self, shard: str, path: str, handle) -> None:
-        """The index's tensors of ``shard`` are all in it (else one error naming the file)."""
+        """The index's tensors of ``shard`` are all in it, and none of the tensors it holds is also in
+        the shard the index places it in (which copy a reader gets would depend on the index: one
+        error naming the file and the tensor instead)."""
         try:
             present = set(handle.keys())
         except Exception as err:  # noqa: BLE001 - safetensors' errors
             _close(handle)
             raise HFCheckpointError(f"{path}: not a readable safetensors file, damaged or truncated ({err}); "
                                     "download or copy it again") from None
+        twice = sorted(n for n in present if self._shard_of.get(n, shard) != shard
+                       and n in self._names_in(self._shard_of[n]))
+        if twice:
+            _close(handle)
+            other = self._shard_of[twice[0]]
+            more = f" (and {len(twice) - 1} more tensor(s) of other shards)" if len(twice) > 1 else ""
+            raise HFCheckpointError(f"{path}: holds {twice[0]!r}, which {INDEX_FILE} places in {other}: a tensor stored "
+                                    f"in two shards{more}; keep one copy (a shard from another checkpoint? download or "
+                                    "copy them again)")
         absent = sorted(n for n, s in self._shard_of.items() if s == shard and n not in present)
         if absent:
             _close(handle)
@@ -141,6 +153,17 @@ class HFCheckpoint:
                                     f"{', '.join(absent[:3])}{more} (an index or shard from another copy? download "
                                     "or copy them again)")
         self._verified.add(shard)
+
+    def _names_in(self, shard: str) -> set[str]:
+        """The tensor names ``shard``'s header lists (read once; an unreadable shard: none here, its
+        own verification names it)."""
+        if shard not in self._header_names:
+            try:
+                with _safe_open(os.path.join(self.directory, shard)) as handle:
+                    self._header_names[shard] = set(handle.keys())
+            except HFCheckpointError:
+                self._header_names[shard] = set()
+        return self._header_names[shard]
 
     def _read(self, name: str, read):
         """``read(handle)`` of ``name``'s shard; a safetensors error names the file."""
@@ -218,6 +241,15 @@ def _close(handle) -> None:
 
 
 EXTRA_SHARD = "model-not-in-source.safetensors"
+
+
+def remove_hf_checkpoint_files(directory: str, shards: Sequence[str]) -> None:
+    """Remove what :meth:`HFCheckpointWriter.close` wrote into ``directory`` (``shards``, the index
+    and config.json); other files there stay."""
+    for name in (*shards, INDEX_FILE, CONFIG_FILE):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 class HFCheckpointWriter:

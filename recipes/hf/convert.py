@@ -216,6 +216,17 @@ register_transform("qkv", QKV())
 # ---------------------------------------------------------------------------------------------
 
 
+def architectures_problem(hf_config: dict, expected: str) -> Optional[str]:
+    """What is wrong with config.json's ``architectures`` for a family converting ``expected`` (a
+    transformers class name; None: nothing). A config.json without the field is taken by its
+    ``model_type`` alone."""
+    architectures = hf_config.get("architectures")
+    if architectures is None or architectures == [expected]:
+        return None
+    return (f"architectures = {architectures!r}, expected [{expected!r}] (the model class these recipes convert; "
+            "another head or base model has other tensors)")
+
+
 def family_key(name: str) -> str:
     """``"gpt-oss-20b"`` -> ``"gpt-oss"``: the FAMILIES key a recipe name starts with."""
     for key in sorted(FAMILIES, key=len, reverse=True):
@@ -857,8 +868,9 @@ def export_hf_checkpoint(model_chunks, family, out_dir: str, hf_config: dict, dt
 
 
 class _HFTensors:
-    """HF tensors held in memory, read the way :class:`Reader` reads an :class:`HFCheckpoint`
-    (a fused-expert tensor is already the expert's row)."""
+    """HF tensors held in memory, read the way :class:`Reader` reads an :class:`HFCheckpoint`: a
+    fused-expert tensor is already the expert's row (read by the expert's int index), rows of a
+    vocabulary-parallel tensor are read by slice."""
 
     directory = "(quantized in memory)"
 
@@ -868,11 +880,14 @@ class _HFTensors:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
     def get(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
     def get_rows(self, name: str, index) -> torch.Tensor:
-        return self.tensors[name]
+        return self.tensors[name] if isinstance(index, int) else self.tensors[name][index]
 
 
 def quantize_parameters_in_place(model_chunks, family, hf_config: dict, quantizer,
@@ -886,6 +901,7 @@ def quantize_parameters_in_place(model_chunks, family, hf_config: dict, quantize
     fam = _Family(family)
     changed = 0
     error = None
+    plain_config = {k: v for k, v in hf_config.items() if k != "quantization_config"}  # the tensors read back are plain
     with torch.no_grad():
         for chunk in _as_chunks(model_chunks):
             config = getattr(_strip_wrappers(chunk), "config", None)
@@ -905,7 +921,7 @@ def quantize_parameters_in_place(model_chunks, family, hf_config: dict, quantize
                     changed += any(v is not None for v in loaded.values())
                     tensors = {n: loaded[n].to(t.device) if loaded[n] is not None else
                                t if dtype is None or fam.keep_fp32(n) else t.to(dtype) for n, t in tensors.items()}
-                    _import_one(entry, config, rule, groups, fam, _HFTensors(tensors, hf_config))
+                    _import_one(entry, config, rule, groups, fam, _HFTensors(tensors, plain_config))
                 except (ConversionError, ValueError) as err:
                     error = error or f"{entry.canonical}: {err}"
     _agree(error)

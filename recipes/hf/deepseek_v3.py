@@ -40,7 +40,8 @@ from typing import Any, Optional
 
 import torch
 
-from recipes.hf.convert import Context, ConversionError, Reader, Rule, Transform, register_transform
+from recipes.hf.convert import (Context, ConversionError, Reader, Rule, Transform, architectures_problem,
+                                register_transform)
 
 # ---------------------------------------------------------------------------------------------
 # the table
@@ -479,6 +480,9 @@ def recipe_from_hf_config(hf_config: dict, recipe: Optional[str] = None, *, drop
     model_type = hf_config.get("model_type")
     if model_type not in (None, "deepseek_v3"):
         problems.insert(0, f"model_type = {model_type!r} (expected 'deepseek_v3')")
+    architectures = architectures_problem(hf_config, "DeepseekV3ForCausalLM")
+    if architectures and model_type in (None, "deepseek_v3"):
+        problems.insert(0, architectures)
     if drop_mtp:
         arch["mtp_num_layers"] = 0
     variant = "hf"

@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 import torch
 
-from recipes.hf.convert import Context, ConversionError, Reader, Rule, Transform, register_transform
+from recipes.hf.convert import (Context, ConversionError, Reader, Rule, Transform, architectures_problem,
+                                register_transform)
 
 L = "model.layers.{layer}"
 M = "decoder.layers.{layer}"
@@ -77,18 +78,32 @@ QUANTIZED_HF: tuple[tuple[str, str, str], ...] = (
 def _expert_weight(read: Reader, name: str, ctx: Context) -> torch.Tensor:
     """One expert's row of a fused expert weight as transformers holds it (``gate_up_proj``
     ``[D, 2H]``, ``down_proj`` ``[H, D]``): stored, or dequantized from MXFP4 ``_blocks``/``_scales``
-    (to the parameter dtype: bf16 on GPU, fp32 on CPU)."""
-    if read.has(name):
-        return read(name)
+    (to the parameter dtype: bf16 on GPU, fp32 on CPU). A plain one under a config.json that says
+    MXFP4, and ``_scales`` that do not fit their ``_blocks``, are ConversionErrors naming the tensor."""
     blocks, scales = name + "_blocks", name + "_scales"
+    if read.has(name):
+        method = (ctx.hf_config.get("quantization_config") or {}).get("quant_method")
+        if method == "mxfp4":  # transformers' dequantized saves drop quantization_config
+            raise ConversionError(f"{read.ckpt.directory}: config.json's quantization_config says mxfp4, but {name} is "
+                                  f"stored plain (no {blocks} / {scales}): remove "
+                                  "quantization_config from config.json (a dequantized copy) or give the MXFP4 checkpoint")
+        return read(name)
     if read.has(blocks) and read.has(scales):
         from recipes.hf.quant import gpt_oss_expert_weight_from_mxfp4
 
+        block_shape, scale_shape = read.ckpt.shape(blocks), read.ckpt.shape(scales)
+        if scale_shape != block_shape[:-1]:
+            raise ConversionError(f"{read.ckpt.directory}: {scales} has shape {scale_shape}, but {blocks} "
+                                  f"{block_shape} needs {block_shape[:-1]} (one E8M0 scale per 32-value block): a "
+                                  "damaged checkpoint or not gpt-oss's MXFP4 layout")
         dtype = ctx.dtype if ctx.dtype.is_floating_point else torch.float32
         device = ctx.device if ctx.device is not None and ctx.device.type == "cuda" else None  # dequantize on the GPU
         # rows of one expert: blocks [out, in/32, 16], scales [out, in/32]
         blocks_, scales_ = (read(n)[None].to(device) if device else read(n)[None] for n in (blocks, scales))
-        return gpt_oss_expert_weight_from_mxfp4(blocks_, scales_, dtype)[0]
+        try:
+            return gpt_oss_expert_weight_from_mxfp4(blocks_, scales_, dtype)[0]
+        except ValueError as err:  # e.g. blocks stored as another dtype than uint8
+            raise ConversionError(f"{read.ckpt.directory}: {blocks} + {scales}: {err}") from None
     raise ConversionError(f"{read.ckpt.directory}: neither {name} nor {blocks} + {scales} in the checkpoint")
 
 
@@ -241,6 +256,9 @@ def hf_sizes(hf: dict) -> dict:
     model_type = hf.get("model_type")
     if model_type != "gpt_oss":
         raise ConversionError(f"config.json: model_type = {model_type!r}, expected 'gpt_oss' for a gpt-oss recipe")
+    problem = architectures_problem(hf, "GptOssForCausalLM")
+    if problem:
+        raise ConversionError(f"config.json: {problem}")
     heads = int(_get(hf, "num_attention_heads"))
     hidden = int(_get(hf, "hidden_size"))
     return dict(

@@ -18,18 +18,27 @@ Both work in row chunks so that the peak memory is the output plus one small chu
 copies of a full (gpt-oss-120b or DeepSeek-V3 sized) weight.
 
 Export goes the other way (:func:`quantize_mxfp4`, :func:`quantize_fp8_blockwise`,
-:class:`ExportQuantizer`). A block's scale is not determined by its values (MXFP4: any smaller
-power of two that still holds the block's values; FP8: ``fp8 * scale_inv`` is rounded in float32,
-so a recomputed ``amax / 448`` is not the stored scale), so no quantizer run on the imported
-values can promise the source's bits. What is exact by construction: given the source's scale of
-a block, the codes are unique (distinct codes dequantize to distinct values, in bf16 as in
-float32: E2M1 values times a power of two are exact in both; two e4m3 neighbours differ by at
-least 1/16 relative, far above bf16's 2**-9 rounding), so the export reuses a block's source
-scale whenever the codes it yields dequantize back to exactly the held values (checked bit for
-bit, in the held dtype or, for values held in float32, in bf16), and computes a fresh scale
-(MXFP4: the smallest power of two with amax / scale <= 6, codes rounded to nearest even; FP8:
-DeepSeek's amax / 448) for every other block. A checkpoint imported in bf16 or float32 and
-exported untrained is therefore the source bit for bit; fp16 would not hold every block's values.
+:class:`ExportQuantizer`), block by block, by the rule that errs least. A block's scale is not
+determined by its values (MXFP4: any smaller power of two that still holds the block's values;
+FP8: ``fp8 * scale_inv`` is rounded in float32, so a recomputed ``amax / 448`` is not the stored
+scale), so only the source's scale can give the source's bits back. Given it, the codes are
+unique (distinct codes dequantize to distinct values, in bf16 as in float32: E2M1 values times a
+power of two are exact in both; two e4m3 neighbours differ by at least 1/16 relative, far above
+bf16's 2**-9 rounding). Each block therefore weighs candidate scales by the squared error of the
+codes rounded to nearest under them (float64) and keeps the source's where nothing errs less:
+
+- MXFP4: the source's exponent, the OCP MX exponent floor(log2(amax)) - 2 (values above 6 x the
+  scale saturate) and its two neighbours; the smallest error wins, the earlier on a tie. An
+  untouched block has error 0 under its source scale, so it comes back bit for bit; a trained
+  one keeps the source scale unless training moved it out of reach (where the MX rule alone
+  saturates a block whose amax fell just under a power of two, and a fresh "amax / scale <= 6"
+  rule doubles the scale of one whose amax rose just above 6 x the source scale).
+- FP8: the source's ``scale_inv`` where its codes give back exactly the held values (bit for bit,
+  in the held dtype or, for values held in float32, in bf16), else the source's or DeepSeek's
+  ``amax / 448``, whichever errs less (the source's on a tie).
+
+A checkpoint imported in bf16 or float32 and exported untrained is therefore the source bit for
+bit; fp16 would not hold every block's values.
 """
 
 from __future__ import annotations
@@ -228,40 +237,48 @@ def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 
 FP8_E4M3_MAX = 448.0
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between consecutive E2M1 magnitudes
+_E2M1_EMAX = 2  # the largest E2M1 exponent: 6 = 1.5 * 2**2
 
 
 @dataclass
 class QuantStats:
-    """Quantization error of some tensors: blocks, blocks whose source scale was reused, the
-    largest absolute error and the sums of squares of the errors and of the values."""
+    """Quantization error of some tensors: blocks, where their scales came from (``reused``: the
+    source's; ``neighbours``: MXFP4 exponents one off the OCP MX one), the largest absolute error,
+    the sums of squares of the errors, of the values and of the plain round-to-nearest errors
+    (OCP MX scale / DeepSeek's ``amax / 448`` for every block, the yardstick of the chosen ones)."""
 
     blocks: int = 0
     reused: int = 0
+    neighbours: int = 0
     max_abs: float = 0.0
     err_sq: float = 0.0
     ref_sq: float = 0.0
+    plain_err_sq: float = 0.0
 
-    def add(self, values: torch.Tensor, dequantized: torch.Tensor, blocks: int, reused: int) -> None:
+    def add(self, values: torch.Tensor, dequantized: torch.Tensor, blocks: int, reused: int = 0, neighbours: int = 0,
+            plain_err_sq: float = 0.0) -> None:
         err = (dequantized.double() - values.double())
         self.blocks += blocks
         self.reused += reused
+        self.neighbours += neighbours
         if err.numel():
             self.max_abs = max(self.max_abs, float(err.abs().max()))
         self.err_sq += float(err.square().sum())
         self.ref_sq += float(values.double().square().sum())
+        self.plain_err_sq += plain_err_sq
 
-    def merge(self, other: "QuantStats") -> None:
-        self.blocks += other.blocks
-        self.reused += other.reused
-        self.max_abs = max(self.max_abs, other.max_abs)
-        self.err_sq += other.err_sq
-        self.ref_sq += other.ref_sq
+    def _relative(self, err_sq: float) -> float:
+        return math.sqrt(err_sq / self.ref_sq) if self.ref_sq else math.sqrt(err_sq)
 
     @property
     def relative(self) -> float:
         """||dequantized - values|| / ||values|| (0 for all-zero values)."""
-        return math.sqrt(self.err_sq / self.ref_sq) if self.ref_sq else math.sqrt(self.err_sq)
+        return self._relative(self.err_sq)
+
+    @property
+    def plain_relative(self) -> float:
+        """The same for plain round-to-nearest (every block under its OCP MX / ``amax / 448`` scale)."""
+        return self._relative(self.plain_err_sq)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -280,34 +297,47 @@ def _held_exactly(dequantized_fp32: torch.Tensor, values: torch.Tensor) -> torch
 
 def _e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     """float32 values (already divided by the block scale) -> 4-bit E2M1 codes: nearest magnitude,
-    ties to the even code, saturating at 6; the sign bit from the float's sign (-0.0 -> code 8)."""
-    mid = torch.tensor(_E2M1_MIDPOINTS, dtype=scaled.dtype, device=scaled.device)
-    mag = scaled.abs().contiguous()
-    below = torch.searchsorted(mid, mag, right=False)
-    upto = torch.searchsorted(mid, mag, right=True)
-    code = torch.where((below != upto) & (below % 2 == 1), upto, below)
-    return (code | (torch.signbit(scaled).to(code.dtype) << 3)).to(torch.uint8)
+    ties to the even code, saturating at 6; the sign bit from the float's sign (-0.0 -> code 8).
+    Codes 0..4 are the magnitudes 0..2 in steps of 0.5 and 4..6 the magnitudes 2..4 in steps of 1,
+    so torch.round's ties to even on 2 x or x + 2 is the even code; above 4 only 4 (code 6) and 6
+    (code 7) remain, the tie 5 going to 6."""
+    mag = scaled.abs()
+    code = torch.where(mag < 2, torch.round(mag * 2),
+                       torch.where(mag < 4, torch.round(mag) + 2, (mag > 5).to(mag.dtype) + 6))
+    return code.to(torch.uint8) | (torch.signbit(scaled).to(torch.uint8) << 3)
 
 
-def _fresh_e8m0(amax: torch.Tensor) -> torch.Tensor:
-    """The exponent e of the smallest power of two with amax / 2**e <= 6 (integer arithmetic on
-    frexp: amax = m * 2**k, m in [0.5, 1): e = k - 3 if m <= 0.75 else k - 2); zero blocks get
-    2**-127. Returned as the E8M0 byte e + 127."""
-    mantissa, exponent = torch.frexp(amax)
-    e = exponent.to(torch.int32) - 3 + (mantissa > 0.75).to(torch.int32)
+def _mx_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The OCP MX shared exponent floor(log2(amax)) - 2 (E2M1's largest exponent), from frexp
+    (amax = m * 2**k with m in [0.5, 1): floor(log2(amax)) = k - 1), clamped to E8M0's
+    [-127, 127]; an all-zero block gets -127."""
+    _, exponent = torch.frexp(amax)
+    e = exponent.to(torch.int32) - 1 - _E2M1_EMAX
     e = torch.where(amax > 0, e, torch.full_like(e, -_E8M0_BIAS))
-    return (e.clamp(-_E8M0_BIAS, _E8M0_BIAS) + _E8M0_BIAS).to(torch.uint8)
+    return e.clamp(-_E8M0_BIAS, _E8M0_BIAS)
+
+
+def _first_smallest(errors: list[torch.Tensor]) -> torch.Tensor:
+    """Per block, the index of the candidate with the smallest error, the earliest on a tie."""
+    return torch.stack(errors).argmin(dim=0)  # torch.argmin returns the first minimal index
 
 
 def quantize_mxfp4(values: torch.Tensor, source_scales: Optional[torch.Tensor] = None, *,
                    stats: Optional[QuantStats] = None,
                    rows_per_chunk: int = _MXFP4_ROWS_PER_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` [..., N] (N % 32 == 0) -> MXFP4 ``(blocks [..., N/32, 16] uint8, scales [..., N/32]
-    uint8)``, the layout :func:`dequantize_mxfp4` reads. With ``source_scales`` (the scales of the
-    checkpoint the values were imported from) a block keeps its source scale while the codes under
-    it dequantize to exactly its values (module docstring: then they are the source's codes), and
-    gets a fresh scale otherwise. ``stats`` accumulates the error. Works ``rows_per_chunk`` blocks
-    at a time, so peak memory is the output plus one chunk."""
+    uint8)``, the layout :func:`dequantize_mxfp4` reads.
+
+    Each block takes, of its candidate exponents, the one whose codes (nearest E2M1, ties to the
+    even code, saturating at 6) give the smallest squared error (float64), the earliest on a tie:
+    ``source_scales``' (the scales of the checkpoint the values were imported from, if given),
+    the OCP MX exponent floor(log2(amax)) - 2, then the two around it. An untouched block keeps
+    its source scale and codes (error 0; module docstring); a block training moved keeps the
+    source scale while nothing represents it better, where the MX rule alone saturates (amax just
+    under a power of two) or a fresh "amax / scale <= 6" rule doubles the scale (amax just over
+    6 x the source scale). ``stats`` accumulates the error, the sources of the scales and plain
+    MX round-to-nearest's error. Works ``rows_per_chunk`` blocks at a time, so peak memory is the
+    output plus one chunk."""
     if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.dim() < 1 \
             or values.shape[-1] % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 quantization needs floating-point values of shape [..., N] with N % {MXFP4_BLOCK} "
@@ -323,27 +353,32 @@ def quantize_mxfp4(values: torch.Tensor, source_scales: Optional[torch.Tensor] =
     flat = values.reshape(rows_total, MXFP4_BLOCK)
     blocks = torch.empty(rows_total, _MXFP4_BYTES, dtype=torch.uint8, device=values.device)
     scales = torch.empty(rows_total, dtype=torch.uint8, device=values.device)
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=values.device)
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float64, device=values.device)
     for r0 in range(0, rows_total, rows_per_chunk):
         r1 = min(r0 + rows_per_chunk, rows_total)
-        x = flat[r0:r1]
-        x32 = x.to(torch.float32)
-        scale = _fresh_e8m0(x32.abs().amax(dim=1))
-        codes = _e2m1_codes(torch.ldexp(x32, -(scale.to(torch.int32)[:, None] - _E8M0_BIAS)))
-        reused = 0
+        x32 = flat[r0:r1].to(torch.float32)
+        x64 = flat[r0:r1].to(torch.float64)
+        mx = _mx_exponent(x32.abs().amax(dim=1))
+        candidates = [mx, (mx + 1).clamp(max=_E8M0_BIAS), (mx - 1).clamp(min=-_E8M0_BIAS)]
         if source_scales is not None:
-            source = source_scales.reshape(rows_total)[r0:r1]
-            exponent = source.to(torch.int32)[:, None] - _E8M0_BIAS
-            source_codes = _e2m1_codes(torch.ldexp(x32, -exponent))
-            keep = _held_exactly(torch.ldexp(lut[source_codes.to(torch.int)], exponent), x).all(dim=1)
-            scale = torch.where(keep, source, scale)
-            codes = torch.where(keep[:, None], source_codes, codes)
-            reused = int(keep.sum())
-        blocks[r0:r1] = codes[:, 0::2] | (codes[:, 1::2] << 4)  # low nibble = the earlier value
-        scales[r0:r1] = scale
+            candidates.insert(0, source_scales.reshape(rows_total)[r0:r1].to(torch.int32) - _E8M0_BIAS)
+        codes, errors = [], []
+        for exponent in candidates:
+            code = _e2m1_codes(torch.ldexp(x32, -exponent[:, None]))
+            dequantized = torch.ldexp(lut[code.to(torch.int64)], exponent[:, None].to(torch.float64))
+            codes.append(code)
+            errors.append((dequantized - x64).square().sum(dim=1))
+        pick = _first_smallest(errors)
+        rows = torch.arange(r1 - r0, device=values.device)
+        chosen_codes = torch.stack(codes)[pick, rows]
+        chosen = torch.stack(candidates)[pick, rows]
+        blocks[r0:r1] = chosen_codes[:, 0::2] | (chosen_codes[:, 1::2] << 4)  # low nibble = the earlier value
+        scales[r0:r1] = (chosen + _E8M0_BIAS).to(torch.uint8)
         if stats is not None:
-            dequantized = torch.ldexp(lut[codes.to(torch.int)], scale.to(torch.int32)[:, None] - _E8M0_BIAS)
-            stats.add(x32, dequantized, r1 - r0, reused)
+            first_mx = 1 if source_scales is not None else 0  # the index of the MX candidate
+            reused = int((pick == 0).sum()) if source_scales is not None else 0
+            dequantized = torch.ldexp(lut[chosen_codes.to(torch.int64)], chosen[:, None].to(torch.float64))
+            stats.add(x64, dequantized, r1 - r0, reused, int((pick > first_mx).sum()), float(errors[first_mx].sum()))
     return blocks.view(*lead, groups, _MXFP4_BYTES), scales.view(*lead, groups)
 
 
@@ -351,10 +386,12 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (12
                            source_scale_inv: Optional[torch.Tensor] = None, *,
                            stats: Optional[QuantStats] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [rows, cols] -> ``(float8_e4m3fn [rows, cols], float32 scale_inv [ceil(rows/bm),
-    ceil(cols/bn)])``, the layout :func:`dequantize_fp8_blockwise` reads. A fresh block scale is
-    DeepSeek's ``amax / 448`` (codes ``weight / scale`` rounded to nearest, clamped to +-448; an
-    all-zero block gets 1.0); with ``source_scale_inv`` a block keeps its source scale while the
-    codes under it dequantize to exactly its values. Works one row of blocks at a time."""
+    ceil(cols/bn)])``, the layout :func:`dequantize_fp8_blockwise` reads. Codes are ``weight /
+    scale`` rounded to nearest, clamped to +-448. A block keeps its ``source_scale_inv`` where the
+    codes under it give back exactly its values (bit for bit in the held dtype: the untouched
+    round trip), else takes of the source's and DeepSeek's ``amax / 448`` (an all-zero block: 1.0)
+    the one with the smaller squared error (float64), the source's on a tie. Works one row of
+    blocks at a time."""
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 2:
         raise ValueError(f"FP8 quantization needs a floating-point [rows, cols] weight, got "
                          f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
@@ -370,35 +407,40 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block_size: Sequence[int] = (12
     scale_inv = torch.empty(row_blocks, col_blocks, dtype=torch.float32, device=weight.device)
     padded_cols = col_blocks * bn
 
-    def encode(x32: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (x32 / scale[None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-
     for rb in range(row_blocks):
         r0, r1 = rb * bm, min(rb * bm + bm, rows)
         x = weight[r0:r1]
         x32 = torch.zeros(r1 - r0, padded_cols, dtype=torch.float32, device=weight.device)
         x32[:, :cols] = x
         x32 = x32.view(r1 - r0, col_blocks, bn)
+        x64 = x32.to(torch.float64)  # the padding is zero under every scale: it adds no error
         amax = x32.abs().amax(dim=(0, 2))
-        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-        codes = encode(x32, scale)
+        candidates = [torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))]
+        if source_scale_inv is not None:
+            candidates.insert(0, source_scale_inv[rb].to(torch.float32))
+        codes, errors, backs = [], [], []
+        for scale in candidates:
+            code = (x32 / scale[None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+            back = code.to(torch.float32) * scale[None, :, None]  # as dequantize_fp8_blockwise computes it
+            codes.append(code.view(torch.uint8))
+            backs.append(back)
+            errors.append((back.to(torch.float64) - x64).square().sum(dim=(0, 2)))
+        pick = _first_smallest(errors)
         reused = 0
         if source_scale_inv is not None:
-            source = source_scale_inv[rb].to(torch.float32)
-            source_codes = encode(x32, source)
-            back = (source_codes.to(torch.float32) * source[None, :, None]).view(r1 - r0, padded_cols)[:, :cols]
             held = torch.ones(r1 - r0, padded_cols, dtype=torch.bool, device=weight.device)
-            held[:, :cols] = _held_exactly(back, x)
-            keep = held.view(r1 - r0, col_blocks, bn).all(dim=2).all(dim=0)
-            scale = torch.where(keep, source, scale)
-            codes = torch.where(keep[None, :, None], source_codes.view(torch.uint8),
-                                codes.view(torch.uint8)).view(torch.float8_e4m3fn)
-            reused = int(keep.sum())
-        out[r0:r1] = codes.view(r1 - r0, padded_cols)[:, :cols]
-        scale_inv[rb] = scale
+            held[:, :cols] = _held_exactly(backs[0].view(r1 - r0, padded_cols)[:, :cols], x)
+            pick = torch.where(held.view(r1 - r0, col_blocks, bn).all(dim=2).all(dim=0), 0, pick)
+            reused = int((pick == 0).sum())
+        columns = torch.arange(col_blocks, device=weight.device)
+        chosen_codes = torch.stack(codes).permute(0, 2, 1, 3)[pick, columns].permute(1, 0, 2).contiguous()  # [rows, blocks, bn]
+        chosen = torch.stack(candidates)[pick, columns]
+        out[r0:r1] = chosen_codes.reshape(r1 - r0, padded_cols)[:, :cols].view(torch.float8_e4m3fn)
+        scale_inv[rb] = chosen
         if stats is not None:
-            dequantized = (codes.to(torch.float32) * scale[None, :, None]).view(r1 - r0, padded_cols)[:, :cols]
-            stats.add(x32.view(r1 - r0, padded_cols)[:, :cols], dequantized, col_blocks, reused)
+            dequantized = (chosen_codes.view(torch.float8_e4m3fn).to(torch.float32) * chosen[None, :, None])
+            stats.add(x32.view(r1 - r0, padded_cols)[:, :cols], dequantized.view(r1 - r0, padded_cols)[:, :cols],
+                      col_blocks, reused, plain_err_sq=float(errors[-1].sum()))
     return out, scale_inv
 
 
@@ -414,9 +456,9 @@ class ExportQuantizer:
     With ``source`` (an :class:`~recipes.hf.checkpoint.HFCheckpoint` of the quantized checkpoint
     the model was imported from) the source decides which tensors are quantized (those stored so
     there) and lends its block scales (see the module docstring); without it every matching tensor
-    is quantized with fresh scales. ``stats`` holds the error per report group. ``device``: where
-    to quantize (e.g. rank 0's GPU: the export holds its tensors on the CPU), one expert or one
-    weight at a time; the results come back to the CPU."""
+    is quantized with the MX / ``amax / 448`` candidates only. ``stats`` holds the error per report
+    group. ``device``: where to quantize (e.g. rank 0's GPU: the export holds its tensors on the
+    CPU), one expert or one weight at a time; the results come back to the CPU."""
 
     def __init__(self, rules: Sequence[tuple[str, str, str]], hf_config: dict, source=None,
                  device: Optional[torch.device] = None) -> None:
@@ -497,6 +539,8 @@ class ExportQuantizer:
 
 
 def error_report(stats: dict[str, QuantStats]) -> list[str]:
-    """One line per tensor group: max abs and relative error, blocks that kept their source scale."""
-    return [f"quantization error {group}: max abs {s.max_abs:.3e}, relative {s.relative:.3e} "
-            f"({s.reused}/{s.blocks} blocks kept their source scale)" for group, s in stats.items()]
+    """One line per tensor group: max abs and relative error, plain round-to-nearest's relative
+    error beside it, and where the blocks' scales came from."""
+    return [f"quantization error {group}: max abs {s.max_abs:.3e}, relative {s.relative:.3e} (plain round-to-nearest "
+            f"{s.plain_relative:.3e}); {s.reused}/{s.blocks} blocks kept their source scale"
+            + (f", {s.neighbours} took a neighbour of the MX scale" if s.neighbours else "") for group, s in stats.items()]
