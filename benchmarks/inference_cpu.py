@@ -3,10 +3,10 @@ routing pruning costs in perplexity, and prefill / generation speed of plain EP,
 and pruning, side by side in one run.
 
     # perplexity against p: CAP device pruning and naive expert pruning, 8 ranks (EP = 8, two
-    # emulated nodes of 4: --ranks-per-node 4 --cross-node-cost 4), sequential and CAP placement
+    # emulated nodes of 4: --llep-ranks-per-node 4 --cross-node-cost 4), sequential and CAP placement
     python launch/torchrun.py --nproc_per_node 8 benchmarks/inference_cpu.py accuracy \\
         --pretrained ~/.cache/megatron_llep/runs/pretrain --corpus ~/.cache/megatron_llep/corpus \\
-        --ranks-per-node 4 --cross-node-cost 4
+        --llep-ranks-per-node 4 --cross-node-cost 4
     # prefill and generation tokens/s, 2 ranks, modes in rotating rounds
     python launch/torchrun.py --nproc_per_node 2 benchmarks/inference_cpu.py speed \\
         --pretrained ~/.cache/megatron_llep/runs/pretrain --corpus ~/.cache/megatron_llep/corpus
@@ -65,7 +65,7 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens per domain (accuracy)")
     parser.add_argument("--p", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3, 0.4, 0.5])
-    parser.add_argument("--ranks-per-node", type=int, default=None)
+    parser.add_argument("--llep-ranks-per-node", type=int, default=None)
     parser.add_argument("--cross-node-cost", type=float, default=4.0)
     parser.add_argument("--trace-dir", default=None, help="default: recipes/data/routing_traces")
     parser.add_argument("--repeats", type=int, default=3, help="speed: rounds over the modes")
@@ -94,8 +94,8 @@ class Harness:
                 str(bench.micro_batch_size), "--watchdog-timeout", "0",
                 "--tokenizer", os.path.join(bench.corpus, "tokenizer", "tokenizer.json")]
         argv += ["--pretrained", bench.pretrained] if bench.pretrained else ["--load", bench.load]
-        if bench.ranks_per_node:
-            argv += ["--ranks-per-node", str(bench.ranks_per_node)]
+        if bench.llep_ranks_per_node:
+            argv += ["--llep-ranks-per-node", str(bench.llep_ranks_per_node)]
         self.args = args = evaluate.parse_args(argv)
         self.rank, self.world, self.device = evaluate.ENTRY.start(args.watchdog_timeout)
         source = model_sources.open_source(args, evaluate.ENTRY, self.rank)
@@ -145,7 +145,7 @@ class Harness:
         from recipes import routing_traces
 
         trace = routing_traces.load(self.bench.label, domain, self.bench.trace_dir or routing_traces.TRACE_DIR)
-        topology = Topology(self.layout["ep"], self.bench.ranks_per_node or self.layout["ep"], self.bench.cross_node_cost)
+        topology = Topology(self.layout["ep"], self.bench.llep_ranks_per_node or self.layout["ep"], self.bench.cross_node_cost)
         placement, _ = plan_trace(trace, topology)
         return placement
 
@@ -215,7 +215,7 @@ def accuracy(bench: argparse.Namespace) -> None:
             harness.set_layers(True, None)
             if placement is not None:
                 restore_original_order(harness.model, placement)
-    keys = ["devices_per_token"] + (["cross_node_devices_per_token"] if bench.ranks_per_node else [])
+    keys = ["devices_per_token"] + (["cross_node_devices_per_token"] if bench.llep_ranks_per_node else [])
     matched = [row for key in keys for row in _matched(rows, key)]
     if harness.rank == 0:
         print_table(rows, [("domain", "domain", ""), ("placement", "placement", ""), ("method", "pruning", ""),

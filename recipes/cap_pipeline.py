@@ -1,22 +1,22 @@
 """CAP's pipeline as one command: routing traces of the model on your data (with the routing pruning
 you will serve with), the co-activation placement and its spectrum, and the spectrum point picked by
 timing the live model on this machine (``--profile auto``) or by ``--lambda``; writes the placement
-file evaluate.py, generate.py and finetune.py take with ``--placement``.
+file evaluate.py, generate.py and finetune.py take with ``--llep-placement``.
 
     python launch/torchrun.py --nproc_per_node 8 recipes/cap_pipeline.py --load ckpt --data calib.jsonl \\
-        --prune-p 0.2 --ranks-per-node 4 --cross-node-cost 4 --profile auto --out placement.json
+        --prune-p 0.2 --llep-ranks-per-node 4 --cross-node-cost 4 --profile auto --out placement.json
 
 1. Traces: evaluate.py's forward over ``--data`` (``--eval-iters`` / ``--max-tokens``; exact loss
    printed too), every MoE router's choices recorded after pruning, every rank's merged.
 2. Placement: :func:`megatron_llep.placement.plan_trace` per layer: the comm-optimal placement and
-   its spectrum towards balance, for ``--ranks-per-node`` GPUs per node and ``--cross-node-cost``.
+   its spectrum towards balance, for ``--llep-ranks-per-node`` GPUs per node and ``--cross-node-cost``.
 3. Choice: ``--profile auto`` applies ``--candidates`` positions along every layer's spectrum to the
    live model in turn, times ``--profile-batches`` forward batches each (warm-up first; slowest
    rank, median of ``--profile-repeats``), restores the original order and keeps the fastest,
    printing the table it chose from; ``--lambda`` picks by the C/B trade-off instead (no timing).
 
 The model's experts must be in their original order: a checkpoint saved in a placement is put back
-first. ``--placement`` is refused (this command makes one).
+first. ``--llep-placement`` is refused (this command makes one).
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     cap.add_argument("--keep-traces", default=None, metavar="DIR",
                      help="also write the recorded traces here (trace_rank<r>.npz)")
     args = evaluate.check_arguments(parser, parser.parse_args(argv), placement_uses_cost=True)
-    if args.placement:
-        parser.error("--placement: this command makes the placement (it writes --out); drop --placement")
+    if args.llep_placement:
+        parser.error("--llep-placement: this command makes the placement (it writes --out); drop --llep-placement")
     if args.record_routing_trace:
         parser.error("--record-routing-trace: this command records the traces itself; keep them with --keep-traces")
     for name, low in (("candidates", 2), ("profile_batches", 1), ("profile_repeats", 1), ("spectrum_steps", 0)):
@@ -119,12 +119,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trace = merge_traces(traces)
     shared = [loss]
     dist.broadcast_object_list(shared, src=world - 1)
-    pruned = dashboard.pruning_summary(moe_metrics, pruning, args.ranks_per_node) or "no routing pruning"
+    pruned = dashboard.pruning_summary(moe_metrics, pruning, args.llep_ranks_per_node) or "no routing pruning"
     ENTRY.say(f"traced {len(trace.layers)} MoE layer(s), {count * args.seq_length:,} tokens (loss {shared[0]:.4f}); {pruned}")
 
     # 2. co-activation placement and its spectrum (rank 0 plans, every rank gets the same result)
     cost = args.cross_node_cost if args.cross_node_cost is not None else RoutingPruning.cross_node_cost
-    topology = Topology(layout["ep"], args.ranks_per_node or layout["ep"], cost)
+    topology = Topology(layout["ep"], args.llep_ranks_per_node or layout["ep"], cost)
     ENTRY.progress(rank, f"step 2/3: CAP placement and spectrum for EP {topology.ep_size}, {topology.num_nodes} node(s), "
                          f"c = {topology.cross_node_cost:g}")
     planned = [None]
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "times the spectrum on this machine)")
     ENTRY.write_or_fail(lambda: rank == 0 and placement.save(args.out, "--out"), rank)
     ENTRY.say(f"wrote {args.out} in {time.perf_counter() - started:.1f} s; serve with it: recipes/evaluate.py or "
-              f"recipes/generate.py ... --placement {args.out}")
+              f"recipes/generate.py ... --llep-placement {args.out}")
     summary = dict(out=args.out, selection="profile auto" if report else "lambda",
                    profile=[row.__dict__ for row in report.rows] if report else None)
     ENTRY.finish()

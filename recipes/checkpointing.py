@@ -587,7 +587,7 @@ def load_checkpoint(
     saved_placement = read_checkpoint_placement(directory)
     if not same_expert_order(saved_placement, placement):
         raise CheckpointError(f"{directory} stores experts in {'a CAP placement' if saved_placement else 'original order'}"
-                              f" but this run uses {'a different placement' if placement else 'none'} (--placement)")
+                              f" but this run uses {'a different placement' if placement else 'none'} (--llep-placement)")
     common = read_run_state(directory)
     saved_info = common["run_info"]
     mismatched = {k: (saved_info.get(k), run_info.get(k)) for k in strict_keys if saved_info.get(k) != run_info.get(k)}

@@ -13,7 +13,7 @@ Metric names (wandb keys):
 * ``valid/loss``, ``valid/ppl``, ``valid/tokens`` (per-token mean over the evaluated validation batches,
   its exponential, the loss tokens), at each evaluation
 * ``memory/peak_gib`` (max over ranks: CUDA max allocated, or the process's peak RSS on CPU)
-* ``moe/layer_<n>/{max_mean_before,max_mean_after,spilled_tokens,weight_bytes,plan_time_ms,llep_active}``
+* ``moe/layer_<n>/{max_mean_before,max_mean_after,spilled_tokens,weight_bytes,plan_time_ms,llep_active,max_kept_bytes}``
   (LLEP layers; averaged over micro-batches and EP groups), ``moe/layer_<n>/max_rank_rows`` (the most
   token-expert rows an EP rank computed, maximum over micro-batches and EP groups) with
   ``moe/layer_<n>/budget_rows`` (``--llep-max-tokens-per-rank``, only when set), and

@@ -50,7 +50,6 @@ from recipes.entry_point import (  # noqa: E402,F401 - launch_rank & co. are imp
     wait_for_rank_zero_report,
 )
 from recipes.model_building import (  # noqa: E402,F401 - imported from here by recipes/hf and tests
-    LLEP_FLAGS,
     ConfigError,
     hf_config_for,
     make_recipe,
@@ -391,7 +390,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     model_building.initialize_model_parallel(layout, args.seed)
     try:
-        placement = model_building.load_placement(args.placement) if args.placement else None
+        placement = model_building.load_placement(args.llep_placement) if args.llep_placement else None
         built = f"the model of {resume_from}" if resuming else f"the model of {args.pretrained}" if args.pretrained \
             else args.recipe
         _progress(rank, f"building {built}: about {estimate.parameters / 1e6:,.1f} M parameters and "

@@ -5,7 +5,7 @@ The model comes from a recipe (``--recipe``, recipes/models.py), with its sizes 
 config.json (``--hf-checkpoint``) or from a Megatron-LM checkpoint's arguments (``--pretrained``);
 every ``MoELayer`` of its layer spec becomes an ``LLEPMoELayer`` (``with_llep``) unless ``--no-llep``
 (with ``--prune-p`` an LLEP layer that dispatches as plain EP, to prune);
-weights are imported right after construction and a CAP placement (``--placement``) applied last.
+weights are imported right after construction and a CAP placement (``--llep-placement``) applied last.
 The flags these steps read are defined here too (``add_*_arguments``), so that they mean the same in
 every entry point.
 """
@@ -21,17 +21,12 @@ from typing import Callable, Optional
 import torch
 
 from megatron_llep.config import PRUNING_METHODS, LLEPConfig, LLEPConfigError, RoutingPruning
-from megatron_llep.integrations.flags import ignored_tuning_note, tuning_flags_given
-from megatron_llep.planning.cost_model import CostModel
+from megatron_llep.integrations.flags import (add_llep_flags, ignored_tuning_note, llep_config_from_flags,
+                                              tuning_flags_given)
 from recipes import watchdog
 from recipes.entry_point import EntryPoint, check_existing_files, check_writable_directories, utf8_text
 from recipes.models import RECIPES
 
-# the LLEPConfig field each LLEP flag sets (its validation messages name the flag)
-LLEP_FLAGS = {"alpha": "--llep-alpha", "min_chunk_tokens": "--llep-min-chunk-tokens",
-              "imbalance_threshold": "--llep-imbalance-threshold", "ranks_per_node": "--ranks-per-node",
-              "max_tokens_per_rank": "--llep-max-tokens-per-rank",
-              "max_kept_weight_bytes": "--llep-max-kept-weight-bytes"}
 # the RoutingPruning field each pruning flag sets (its validation messages name the flag)
 PRUNING_FLAGS = {"pruning.p": "--prune-p", "pruning.method": "--prune-method",
                  "pruning.cross_node_cost": "--cross-node-cost"}
@@ -110,28 +105,10 @@ def check_wandb_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
 
 
 def add_llep_arguments(parser: argparse.ArgumentParser) -> None:
-    """The LLEP knobs, CAP placement and routing traces, and ``--force-routing``."""
-    llep = parser.add_argument_group("LLEP")
-    llep.add_argument("--no-llep", dest="llep", action="store_false", help="run plain expert parallelism")
-    llep.add_argument("--llep-alpha", type=float, default=1.0)
-    llep.add_argument("--llep-min-chunk-tokens", type=int, default=None, help="m (default 1024 on GPU, 16 on CPU)")
-    llep.add_argument("--llep-imbalance-threshold", type=float, default=1.3, help="lambda")
-    llep.add_argument("--llep-cost-aware", action=argparse.BooleanOptionalAction, default=True, help="plan by predicted layer time")
-    llep.add_argument("--ranks-per-node", type=int, default=None, help="prefer helpers inside a node of this size")
-    llep.add_argument("--llep-max-tokens-per-rank", type=int, default=None, metavar="ROWS",
-                      help="hard budget of token-expert rows each EP rank computes per MoE layer and micro-batch: "
-                           "LLEP spills (even below lambda, in chunks under m) to keep every rank within it; a "
-                           "micro-batch routing more than EP x ROWS rows stops with an error naming the layer "
-                           "(default: no budget)")
-    llep.add_argument("--llep-max-kept-weight-bytes", type=int, default=None, metavar="BYTES",
-                      help="bytes of borrowed experts (weights + fp32 gradient accumulator) each rank keeps for the "
-                           "rest of the optimizer step, over all MoE layers; kept copies serve later micro-batches "
-                           "without a new copy and return their gradients once per step (0: keep none; default: "
-                           "no bound)")
-    llep.add_argument("--llep-relay-within-node", action=argparse.BooleanOptionalAction, default=True,
-                      help="a borrowed expert's copy crosses to another node once and is forwarded inside it")
-    cap = parser.add_argument_group("CAP expert placement (docs/placement.md)")
-    cap.add_argument("--placement", default=None, help="placement file (python -m megatron_llep.placement plan ...)")
+    """The LLEP flags (the one set of :mod:`megatron_llep.integrations.flags`, LLEP on by default),
+    routing traces and ``--force-routing``."""
+    add_llep_flags(parser, llep_default=True)
+    cap = parser.add_argument_group("CAP routing traces (docs/placement.md)")
     cap.add_argument("--record-routing-trace", default=None, metavar="DIR",
                      help="record every MoE router's choices; each rank writes DIR/trace_rank<r>.npz at the end")
     cap.add_argument("--trace-tokens-per-layer", type=int, default=16384,
@@ -157,7 +134,7 @@ def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
                             f"dropped (default: {defaults['method']})")
     prune.add_argument("--cross-node-cost", type=float, default=None, metavar="C",
                        help=f"cost of a device in another node, >= 1 (the token's own device costs 0, another of "
-                            f"its node 1); a node is --ranks-per-node GPUs (none given: one node) "
+                            f"its node 1); a node is --llep-ranks-per-node GPUs (none given: one node) "
                             f"(default: {defaults['cross_node_cost']})")
 
 
@@ -187,12 +164,9 @@ def check_llep_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
     ``(fraction, hot experts)``. ``recipe_is_known``: the model is ``--recipe`` at its own sizes (not a
     checkpoint's), so the hot experts can be checked against it now (else :func:`build_model` does)."""
     try:  # LLEPConfig's own rules, with the flag named
-        LLEPConfig(alpha=args.llep_alpha, imbalance_threshold=args.llep_imbalance_threshold,
-                   min_chunk_tokens=0 if args.llep_min_chunk_tokens is None else args.llep_min_chunk_tokens,
-                   ranks_per_node=args.ranks_per_node, max_tokens_per_rank=args.llep_max_tokens_per_rank,
-                   max_kept_weight_bytes=args.llep_max_kept_weight_bytes)
-    except LLEPConfigError as err:
-        parser.error(err.for_flag(LLEP_FLAGS[err.knob]))
+        llep_config_from_flags(args, on_gpu=False)
+    except ValueError as err:
+        parser.error(str(err))
     args.ignored_llep_note = None if args.llep else ignored_tuning_note(tuning_flags_given(parser, args),
                                                                           "--no-llep turns off")  # build_model says it
     if args.force_routing is not None:
@@ -206,7 +180,7 @@ def check_llep_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         experts = RECIPES[args.recipe]().config.num_moe_experts if recipe_is_known else None
         if experts is not None and args.force_routing[1] > experts:
             parser.error(f"--force-routing F:H: H = {args.force_routing[1]} hot experts, but {args.recipe} has {experts}")
-    check_existing_files(parser, [(args.placement, "--placement")])
+    check_existing_files(parser, [(args.llep_placement, "--llep-placement")])
     check_writable_directories(parser, [(args.record_routing_trace, "--record-routing-trace")])
 
 
@@ -228,7 +202,7 @@ def pruning_result(args: argparse.Namespace) -> Optional[dict]:
     """The routing-pruning settings a result records (None: off): what its ``prune/*`` figures
     were measured under."""
     pruning = pruning_settings(args)
-    return None if pruning is None else dict(dataclasses.asdict(pruning), ranks_per_node=args.ranks_per_node)
+    return None if pruning is None else dict(dataclasses.asdict(pruning), ranks_per_node=args.llep_ranks_per_node)
 
 
 def moe_summary(args: argparse.Namespace, metrics: dict[str, float]) -> str:
@@ -236,7 +210,7 @@ def moe_summary(args: argparse.Namespace, metrics: dict[str, float]) -> str:
     with ``--prune-p``, what pruning dropped and saved (:func:`recipes.dashboard.pruning_summary`)."""
     from recipes import dashboard
 
-    pruning = dashboard.pruning_summary(metrics, pruning_settings(args), args.ranks_per_node)
+    pruning = dashboard.pruning_summary(metrics, pruning_settings(args), args.llep_ranks_per_node)
     return " | ".join(filter(None, (dashboard.llep_summary(metrics), pruning)))
 
 
@@ -360,19 +334,7 @@ def parallel_layout(args: argparse.Namespace, world: int, num_experts: int) -> d
 
 def llep_config(args: argparse.Namespace, on_gpu: bool) -> LLEPConfig:
     """The LLEP layers' config from the flags (routing pruning only where the entry point offers it)."""
-    return LLEPConfig(
-        alpha=args.llep_alpha,
-        min_chunk_tokens=args.llep_min_chunk_tokens if args.llep_min_chunk_tokens is not None else (1024 if on_gpu else 16),
-        imbalance_threshold=args.llep_imbalance_threshold,
-        cost_aware=args.llep_cost_aware,
-        # the tiny CPU recipes are priced against this CPU, not an H200 node
-        cost_model=CostModel() if on_gpu else CostModel.cpu(),
-        ranks_per_node=args.ranks_per_node,
-        pruning=pruning_settings(args),
-        max_tokens_per_rank=args.llep_max_tokens_per_rank,
-        max_kept_weight_bytes=args.llep_max_kept_weight_bytes,
-        relay_within_node=args.llep_relay_within_node,
-    )
+    return llep_config_from_flags(args, on_gpu, pruning_settings(args))
 
 
 def check_megatron_support(recipe, layout: dict[str, int]) -> None:
@@ -455,7 +417,7 @@ def build_model(args: argparse.Namespace, layout: dict[str, int], device: torch.
     if import_pretrained:
         _import_pretrained(import_pretrained, model, say)
     if placement is not None:  # before DDP and an optimizer: they keep per-parameter buffers and state
-        apply_placement(model, placement, args.placement, say)
+        apply_placement(model, placement, args.llep_placement, say)
     if getattr(args, "ignored_llep_note", None):
         say(f"note: {args.ignored_llep_note}")
     if args.llep and layout["ep"] == 1:
@@ -475,12 +437,12 @@ def apply_placement(model: torch.nn.Module, placement, source: str, say: Callabl
     dist.all_gather_object(stages, sorted(moe_layers_by_number(model)))
     unknown = sorted(set(placement.layers) - {n for numbers in stages for n in numbers})
     if unknown:
-        raise ConfigError(f"--placement {source}: the model has no MoE layer {', '.join(map(str, unknown))} (its MoE "
+        raise ConfigError(f"--llep-placement {source}: the model has no MoE layer {', '.join(map(str, unknown))} (its MoE "
                           f"layers: {', '.join(map(str, sorted({n for s in stages for n in s})))}); is it this model's file?")
     try:
         permute(model, placement)
     except ValueError as err:
-        raise ConfigError(f"--placement {source}: {err}") from None
+        raise ConfigError(f"--llep-placement {source}: {err}") from None
     say(f"applied the expert placement {source} to MoE layer(s) {', '.join(map(str, sorted(placement.layers)))}")
 
 
@@ -516,13 +478,13 @@ def moe_layers(model: torch.nn.Module) -> list:
 
 
 def load_placement(path: str):
-    """The CAP placement file ``--placement path``."""
+    """The CAP placement file ``--llep-placement path``."""
     from megatron_llep.placement import ExpertPlacement
 
     try:
         return ExpertPlacement.load(path)
     except (ValueError, KeyError) as err:
-        raise ConfigError(f"--placement {path}: {err}") from None
+        raise ConfigError(f"--llep-placement {path}: {err}") from None
 
 
 

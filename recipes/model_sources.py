@@ -4,7 +4,7 @@
   recipes.hf import``; the save directory or one ``iter_*`` directory). The model is rebuilt from
   what the run recorded (recipe, Hugging Face config.json or Megatron-LM arguments) and only its
   weights are loaded, at any TP/PP/EP layout (dist_checkpointing reshards). Its experts stay in the
-  CAP placement the checkpoint was saved in, or move to ``--placement``. The tokenizer the run was
+  CAP placement the checkpoint was saved in, or move to ``--llep-placement``. The tokenizer the run was
   fine-tuned with is the default ``--tokenizer``.
 * ``--pretrained DIR``: a Megatron-LM checkpoint (``recipes/pretrain_gpt.py --save DIR``), rebuilt
   from the arguments it records (megatron-core >= 0.17).
@@ -166,7 +166,7 @@ def build(args: argparse.Namespace, source: ModelSource, entry: EntryPoint, rank
         entry.fail(err, rank)
     model_building.initialize_model_parallel(layout, args.seed)
     try:
-        requested = model_building.load_placement(args.placement) if args.placement else None
+        requested = model_building.load_placement(args.llep_placement) if args.llep_placement else None
         entry.progress(rank, f"building the model of {source.describe(args)}")
         recipe, model = model_building.build_model(
             args, layout, device, vocab_needed, placement=None if source.checkpoint else requested,
@@ -180,10 +180,10 @@ def build(args: argparse.Namespace, source: ModelSource, entry: EntryPoint, rank
                     try:
                         restore_original_order(model, saved)
                     except ValueError as err:
-                        raise ConfigError(f"--placement {args.placement}: the checkpoint's experts are in a CAP "
+                        raise ConfigError(f"--llep-placement {args.llep_placement}: the checkpoint's experts are in a CAP "
                                           f"placement that cannot be undone at this layout ({err}); run at its EP "
-                                          "size or without --placement") from None
-                model_building.apply_placement(model, requested, args.placement, entry.say)
+                                          "size or without --llep-placement") from None
+                model_building.apply_placement(model, requested, args.llep_placement, entry.say)
             elif saved is not None:
                 entry.say(f"the experts stay in the CAP placement the checkpoint was saved in "
                           f"({source.checkpoint}/expert_placement.json)")

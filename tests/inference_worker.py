@@ -11,7 +11,7 @@ EP, and:
 * evaluation: evaluate.py's loss at plain EP, in-process (the test compares it with the LLEP run's), and
   an indexed dataset written with recipes/make_indexed_dataset.py evaluated the same way;
 * the fine-tuning run's validation windows evaluated with the experts in the checkpoint's CAP placement,
-  and after moving them to another ``--placement`` (its loss is the run's; the test compares);
+  and after moving them to another ``--llep-placement`` (its loss is the run's; the test compares);
 * negative control: one expert weight perturbed by 0.1 changes both the recomputed log-probs and
   the evaluation loss beyond those tolerances.
 
@@ -139,11 +139,11 @@ def main() -> None:
     report["perturbed_max_log_prob_diff"] = max(abs(a - b) for a, b in zip(written[0]["log_probs"], perturbed[0][1]))
     report["perturbed_eval_loss"] = evaluation_loss(model, eval_args, world, recipe)
 
-    # --load with another --placement: the experts restored to their original order, then placed anew
+    # --load with another --llep-placement: the experts restored to their original order, then placed anew
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    moved_args = evaluate.parse_args(spec["valid_args"] + ["--placement", spec["other_placement"]])
+    moved_args = evaluate.parse_args(spec["valid_args"] + ["--llep-placement", spec["other_placement"]])
     moved_source = model_sources.open_source(moved_args, evaluate.ENTRY, rank)
     recipe, moved, _ = model_sources.build(moved_args, moved_source, evaluate.ENTRY, rank, world, device,
                                            tokenizer.vocab_size)

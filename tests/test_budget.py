@@ -212,6 +212,12 @@ def test_statistics_show_the_most_rows_against_the_budget():
         plan_llep(np.full((2, 4), 5, np.int64), LLEPConfig(cost_aware=False, max_tokens_per_rank=60)), 2, 10, 0.0))
     layer = tracker.drain_by_layer()[2]
     assert layer["max_rank_rows"] == 50.0 and layer["budget_rows"] == 60.0  # the maximum over micro-batches
+    assert "max_kept_bytes" not in layer  # no ledger asked
+    # the bytes kept: the most any rank keeps, over the micro-batches
+    for kept in ([0, 300], [700, 100], [0, 0]):
+        tracker.record(LLEPStepStats.from_plan(plan, 2, 10, 0.0, kept_bytes=np.array(kept)))
+    assert tracker.drain_by_layer()[2]["max_kept_bytes"] == 700.0
+    assert merge_layer_statistic("max_kept_bytes", [700.0, 100.0]) == 700.0
     # ranks merge by maximum, the other statistics by mean
     assert merge_layer_statistic("max_rank_rows", [50.0, 58.0]) == 58.0
     assert merge_layer_statistic("max_mean_after", [1.0, 2.0]) == 1.5

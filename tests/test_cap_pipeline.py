@@ -63,14 +63,14 @@ def test_the_placement_leaves_the_model_the_same_function(pipeline):
     (the negative control: router rows moved, experts not) would change it, which apply's own tests cover."""
     tmp, _ = pipeline
     losses = []
-    for extra in ([], ["--placement", str(tmp / "placement.json")]):
+    for extra in ([], ["--llep-placement", str(tmp / "placement.json")]):
         out = _torchrun(EVALUATE, *SMALL, *extra)
         losses.append(float(out.split("] loss ")[1].split(" ")[0]))
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--random-init", "--out", "p.json", "--placement", __file__], "--placement: this command makes the placement"),
+    (["--random-init", "--out", "p.json", "--llep-placement", __file__], "--llep-placement: this command makes the placement"),
     (["--random-init", "--out", "p.json", "--candidates", "1"], "--candidates must be >= 2, got 1"),
     (["--random-init", "--out", "p.json", "--lambda", "1.5"], "--lambda must be within [0, 1], got 1.5"),
     (["--random-init", "--out", "p.json", "--profile", "auto", "--lambda", "0.5"], "not allowed with argument"),

@@ -129,7 +129,7 @@ def _usage_error(capsys, argv) -> str:
         (["--llep-alpha", "0"], "--llep-alpha must be a finite number > 0 (capacity factor), got 0.0"),
         (["--llep-min-chunk-tokens", "-4"], "--llep-min-chunk-tokens (m) must be an integer >= 0, got -4"),
         (["--llep-imbalance-threshold", "0.5"], "--llep-imbalance-threshold (lambda) must be >= 1.0"),
-        (["--ranks-per-node", "0"], "--ranks-per-node must be a positive integer"),
+        (["--llep-ranks-per-node", "0"], "--llep-ranks-per-node must be a positive integer"),
         (["--llep-max-tokens-per-rank", "0"], "--llep-max-tokens-per-rank (the token-expert rows an EP rank may "
                                               "receive per layer step) must be a positive integer"),
         (["--llep-max-kept-weight-bytes", "-1"], "--llep-max-kept-weight-bytes (the bytes of borrowed experts a rank "
@@ -175,7 +175,35 @@ def test_llep_config_errors_name_the_knob_or_the_flag():
         LLEPConfig(imbalance_threshold=0.5)
     assert err.value.knob == "imbalance_threshold" and str(err.value).startswith("LLEPConfig.imbalance_threshold")
     assert err.value.for_flag("--llep-imbalance-threshold").startswith("--llep-imbalance-threshold (lambda) must be")
-    assert set(finetune.LLEP_FLAGS) <= {field.name for field in dataclasses.fields(LLEPConfig)}
+
+def test_every_entry_point_and_the_megatron_lm_plugin_offer_every_llep_knob_under_one_name():
+    from megatron_llep.integrations.flags import flag
+    from megatron_llep.integrations.megatron_lm import add_llep_args
+    from recipes import cap_pipeline, evaluate, generate
+
+    knobs = {flag(field.name) for field in dataclasses.fields(LLEPConfig) if field.name != "pruning"}
+    plugin = add_llep_args(argparse.ArgumentParser())
+    parsers = {"megatron-lm plugin": plugin}
+
+    class Built(Exception):
+        """The entry point's parser, caught where it would parse."""
+
+    def catch(parser, *args, **kwargs):
+        raise Built(parser)
+
+    for module in (finetune, evaluate, generate, cap_pipeline):
+        with mock.patch.object(argparse.ArgumentParser, "parse_args", catch), pytest.raises(Built) as built:
+            module.parse_args([])
+        parsers[module.__name__] = built.value.args[0]
+    for name, parser in parsers.items():
+        offered = {option for action in parser._actions for option in action.option_strings}
+        assert knobs | {"--llep", "--no-llep", "--llep-placement"} <= offered, (name, knobs - offered)
+        assert not {"--placement", "--ranks-per-node"} & offered, name
+    # a placement applies with or without LLEP: not one of the knobs a plain-EP run says it ignores
+    from megatron_llep.integrations.flags import tuning_flags_given
+
+    args = plugin.parse_args(["--llep-placement", "p.json", "--llep-alpha", "2", "--no-llep-cost-aware"])
+    assert tuning_flags_given(plugin, args) == ["--llep-alpha", "--no-llep-cost-aware"]
 
 
 def test_the_row_budget_flag_reaches_the_llep_config():
@@ -362,7 +390,7 @@ def test_first_resumable_run_says_what_it_does_and_the_rerun_has_nothing_left(tm
     ExpertPlacement(8, 1, {n: [1, 0, 3, 2, 5, 4, 7, 6] for n in (2, 3, 4, 5)}).save(placement)
     ckpt = str(tmp_path / "ckpt")
     command = ["--recipe", "deepseek-v3-tiny", "--expert-model-parallel-size", "1", "--seq-length", "32",
-               "--train-iters", "1", "--data", str(data), "--placement", placement, "--save", ckpt, "--load", ckpt]
+               "--train-iters", "1", "--data", str(data), "--llep-placement", placement, "--save", ckpt, "--load", ckpt]
     first = _torchrun(*command)
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout

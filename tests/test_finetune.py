@@ -178,7 +178,7 @@ def test_cap_placement_keeps_the_model_function(tmp_path):
                               "--out", str(tmp_path / "planned.json")], cwd=ROOT, capture_output=True, text=True)
     assert planned.returncode == 0, planned.stderr
     assert sorted(ExpertPlacement.load(str(tmp_path / "planned.json")).layers) == [1, 2]
-    _ok(_torchrun(*common, "--placement", path, "--save", str(tmp_path / "ckpt"), "--wandb-save-dir", str(tmp_path / "placed")))
+    _ok(_torchrun(*common, "--llep-placement", path, "--save", str(tmp_path / "ckpt"), "--wandb-save-dir", str(tmp_path / "placed")))
     unplaced, placed = _history(tmp_path / "plain")[0], _history(tmp_path / "placed")[0]
     for step in (1, 2):
         assert placed[step]["train/loss"] == pytest.approx(unplaced[step]["train/loss"], rel=1e-6)

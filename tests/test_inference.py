@@ -52,7 +52,7 @@ def runs(tmp_path_factory):
     for name, layers in (("placement", PLACEMENT), ("other_placement", OTHER_PLACEMENT)):
         ExpertPlacement(8, 2, layers).save(str(tmp / f"{name}.json"))
     lines = _ok(_torchrun(FINETUNE, "--train-iters", "1", "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-2",
-                          "--valid-data", DATA, "--eval-iters", "1", "--placement", str(tmp / "placement.json"),
+                          "--valid-data", DATA, "--eval-iters", "1", "--llep-placement", str(tmp / "placement.json"),
                           "--save", str(tmp / "ckpt")), "[finetune] validation")
     model = ["--load", str(tmp / "ckpt"), *IMBALANCE]
     prompts = tmp / "prompts.jsonl"
@@ -72,7 +72,7 @@ def runs(tmp_path_factory):
     # CAP pruning at p = 0.5 without LLEP (the LLEP layer dispatching as plain EP), one GPU per node, on the
     # fine-tuning run's validation windows (the worker's valid_args: natural routing, which spans both devices)
     out["evaluate_pruned"] = _ok(_torchrun(EVALUATE, "--load", str(tmp / "ckpt"), *VALID, "--prune-p", "0.5", "--no-llep",
-                                           "--ranks-per-node", "1", "--output", str(tmp / "pruned.json")), "[evaluate]")
+                                           "--llep-ranks-per-node", "1", "--output", str(tmp / "pruned.json")), "[evaluate]")
     out["evaluate_pruned_result"] = json.loads((tmp / "pruned.json").read_text())
     spec = {"generate_args": generate_args, "generations": str(tmp / "llep.jsonl"), "evaluate_args": [*model, *EVAL],
             "scratch": str(tmp), "other_placement": str(tmp / "other_placement.json"),
@@ -281,8 +281,8 @@ def test_placement_for_a_layer_the_model_lacks_is_one_line(tmp_path):
 
     path = tmp_path / "placement.json"
     ExpertPlacement(8, 2, {n: list(range(8)) for n in (1, 2, 9)}).save(str(path))  # gpt-oss-tiny: MoE layers 1, 2
-    proc = _torchrun(EVALUATE, "--random-init", "--placement", str(path), "--watchdog-timeout", "0")
+    proc = _torchrun(EVALUATE, "--random-init", "--llep-placement", str(path), "--watchdog-timeout", "0")
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[evaluate] error:")]
-    assert errors == [f"[evaluate] error: --placement {path}: the model has no MoE layer 9 (its MoE layers: 1, 2); "
+    assert errors == [f"[evaluate] error: --llep-placement {path}: the model has no MoE layer 9 (its MoE layers: 1, 2); "
                       "is it this model's file?"], proc.stderr[-3000:]

@@ -115,7 +115,7 @@ def test_finetuned_model_is_traced_and_benchmarked_on_its_own_routing(pipeline, 
     # inference on the same model and routing: pruning accuracy (CAP placement from the trace above) and speed
     bench = os.path.join(ROOT, "benchmarks", "inference_cpu.py")
     common = ["--load", ft, "--corpus", str(corpus_dir), "--label", "finetuned", "--domains", "legal",
-              "--seq-length", "64", "--micro-batch-size", "2", "--trace-dir", str(tmp_path), "--ranks-per-node", "1"]
+              "--seq-length", "64", "--micro-batch-size", "2", "--trace-dir", str(tmp_path), "--llep-ranks-per-node", "1"]
     _torchrun(bench, "accuracy", *common, "--max-tokens", "256", "--p", "0.3", "--out", str(tmp_path / "accuracy.json"))
     rows = json.load(open(tmp_path / "accuracy.json"))["rows"]
     assert {(r["placement"], r["method"], r["p"]) for r in rows} == {

@@ -21,6 +21,7 @@ from megatron_llep.planning.cost_model import CostModel
 MIN_CHUNK_TOKENS = {True: 1024, False: 16}  # on a GPU, on a CPU
 COST_MODELS = ("auto", "h200", "cpu")
 GROUP_TITLE = "LLEP (megatron-llep)"
+PLACEMENT_FLAG = "--llep-placement"
 
 
 def flag(field: str) -> str:
@@ -79,7 +80,7 @@ def add_llep_flags(parser: argparse.ArgumentParser, llep_default: bool) -> argpa
     group.add_argument(flag("relay_within_node"), action=argparse.BooleanOptionalAction,
                        default=defaults.relay_within_node,
                        help="a borrowed expert's copy crosses to another node once and is forwarded inside it")
-    group.add_argument(flag("placement"), default=None, metavar="PATH",
+    group.add_argument(PLACEMENT_FLAG, default=None, metavar="PATH",
                        help="CAP expert placement (python -m megatron_llep.placement plan ...), applied before the "
                             "optimizer is built; checkpoints hold the experts in this placement's order")
     return parser
@@ -115,10 +116,11 @@ def llep_config_from_flags(args: argparse.Namespace, on_gpu: Optional[bool] = No
 def tuning_flags_given(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str = "--llep-") -> list[str]:
     """The flags of ``parser`` named ``prefix...`` (or ``--no-`` + that) whose parsed value in ``args``
     is not their default, as the command line spells them: the knobs a run without LLEP would
-    silently ignore."""
+    silently ignore (``--llep-placement`` is none: a placement applies with or without LLEP)."""
     given = []
     for action in parser._actions:
-        names = [name for name in action.option_strings if name.startswith((prefix, "--no-" + prefix[2:]))]
+        names = [name for name in action.option_strings if name.startswith((prefix, "--no-" + prefix[2:]))
+                 and name != PLACEMENT_FLAG]
         value = getattr(args, action.dest, action.default)
         if names and value != action.default:
             negated = [name for name in action.option_strings if name.startswith("--no-")]

@@ -317,6 +317,6 @@ def note_when_idle(args: argparse.Namespace) -> Optional[str]:
         return "--llep with --expert-model-parallel-size 1: every expert is local, LLEP has no work (plain EP)"
     if not args.llep:
         given = tuning_flags_given(add_llep_args(argparse.ArgumentParser(add_help=False)), args)
-        return ignored_tuning_note([flag for flag in given if flag != "--llep-placement"], "is off without --llep")
+        return ignored_tuning_note(given, "is off without --llep")
     return None
 

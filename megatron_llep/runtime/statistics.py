@@ -279,8 +279,9 @@ class LLEPStatsTracker:
     def drain_by_layer(self) -> dict[int, dict[str, float]]:
         """Drain, summarised per layer over the micro-batches since the last drain: token and byte
         counts and planner time summed, ratios averaged, the most rows a rank computed
-        (``max_rank_rows``) and the row budget (``budget_rows``, only under one) their maximum
-        (what the dashboards log)."""
+        (``max_rank_rows``), the row budget (``budget_rows``, only under one) and the most bytes a
+        rank keeps (``max_kept_bytes``, only where the ledger was asked) their maximum (what the
+        dashboards log)."""
         summary = {}
         for layer, steps in self.drain().items():
             if layer is None or not steps:
@@ -297,6 +298,9 @@ class LLEPStatsTracker:
             budgets = [s.budget_rows for s in steps if s.budget_rows is not None]
             if budgets:
                 row["budget_rows"] = float(max(budgets))
+            kept = [float(s.kept_bytes.max()) for s in steps if s.kept_bytes is not None]
+            if kept:
+                row["max_kept_bytes"] = max(kept)
         return summary
 
     @contextlib.contextmanager
