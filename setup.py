@@ -4,7 +4,9 @@ setup(
     name="megatron-llep",
     version="0.1.0",
     description="Least-Loaded Expert Parallelism and communication-aware expert placement for Megatron-Core MoE",
-    packages=find_packages(include=["megatron_llep", "megatron_llep.*"]),
+    # recipes/ (the entry points and what they share) is installed too, so no entry point edits sys.path
+    packages=find_packages(include=["megatron_llep", "megatron_llep.*", "recipes", "recipes.*"]),
+    package_data={"recipes": ["data/*.json", "data/*.jsonl", "data/routing_traces/*"]},
     python_requires=">=3.10",
     install_requires=[
         # torch 2.13.0's CPU wheel is what the CPU CI uses; any 2.x Megatron-Core 0.16 supports works
@@ -20,7 +22,7 @@ setup(
         "pillow>=9",  # wandb images (expert-load heatmaps)
         "safetensors>=0.4",  # Hugging Face checkpoints in and out (recipes/hf)
         "tokenizers>=0.15",
-        "jinja2>=3.1.6",  # chat templates of local Hugging Face tokenizers (recipes/data.py); sandbox fixes  # local Hugging Face tokenizer.json files for fine-tuning data
+        "jinja2>=3.1.6",  # chat templates of local Hugging Face tokenizers (recipes/runtime/sft_data.py); sandbox fixes  # local Hugging Face tokenizer.json files for fine-tuning data
         # recipes/pretrain_gpt.py reads Megatron's indexed datasets; where megatron-core 0.17+ runs on Python 3.11
         # (overlaid, as CI does) its cp312 dataset helper does not load and megatron_llep.compat.megatron_training
         # compiles the shipped helpers.cpp with pybind11 (and g++)

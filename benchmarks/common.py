@@ -6,19 +6,16 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from megatron_llep.writable import write_text
+from recipes.models import KIMI_K2_MOE_LAYER  # the recipe owns the Kimi-K2 layer shape
 
-from megatron_llep.writable import write_text  # noqa: E402
-from recipes.models import KIMI_K2_MOE_LAYER  # noqa: E402  (the recipe owns the Kimi-K2 layer shape)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)

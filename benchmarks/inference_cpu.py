@@ -31,17 +31,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 from typing import Optional
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TQDM_DISABLE", "1")  # Megatron's engine draws a progress bar per rank and batch
 
-from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
+from recipes.runtime.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 quiet_known_cpu_warnings()
 
@@ -86,7 +83,8 @@ class Harness:
     def __init__(self, bench: argparse.Namespace) -> None:
         import torch.distributed as dist
 
-        from recipes import evaluate, model_building, model_sources
+        from recipes import evaluate
+        from recipes.runtime import model_building, model_sources
 
         self.bench = bench
         first = os.path.join(bench.corpus, "indexed", f"{bench.domains[0]}_{bench.split}_text_document")
@@ -112,13 +110,13 @@ class Harness:
             layer.llep_config = layer.token_dispatcher.llep_config = config
 
     def windows(self, domain: str, max_tokens: int):
-        from recipes import evaluate
+        from recipes.runtime import evaluation
 
         prefix = os.path.join(self.bench.corpus, "indexed", f"{domain}_{self.bench.split}_text_document")
-        documents = evaluate.read_indexed_documents(prefix, max_tokens + 1)
-        dataset = evaluate.pack_windows(documents, self.bench.seq_length)
-        count, batches = evaluate.window_count(dataset, max_tokens // self.bench.seq_length, self.layout["global_batch"])
-        return evaluate.EvaluatedWindows(dataset, count), batches
+        documents = evaluation.read_indexed_documents(prefix, max_tokens + 1)
+        dataset = evaluation.pack_windows(documents, self.bench.seq_length)
+        count, batches = evaluation.window_count(dataset, max_tokens // self.bench.seq_length, self.layout["global_batch"])
+        return evaluation.EvaluatedWindows(dataset, count), batches
 
     def evaluate(self, windows, batches: int) -> tuple[float, dict, float]:
         """Loss, MoE/pruning metrics and seconds of one evaluation (every rank)."""
@@ -126,13 +124,13 @@ class Harness:
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from recipes import dashboard, finetune
+        from recipes.runtime import dashboard, finetuning
 
         state = {"microbatch": 0}
-        step = partial(finetune.forward_step, self.device, self.layers, self.args, self.recipe.config, state)
+        step = partial(finetuning.forward_step, self.device, self.layers, self.args, self.recipe.config, state)
         self.dist.barrier()
         start = time.perf_counter()
-        loss, _, metrics = finetune.evaluate(self.model, get_forward_backward_func(), step, state, windows, batches,
+        loss, _, metrics = finetuning.evaluate(self.model, get_forward_backward_func(), step, state, windows, batches,
                                              self.args, self.layout, 0, dashboard.MoELoadMeter(self.model))
         seconds = time.perf_counter() - start
         shared = [loss]
@@ -142,7 +140,7 @@ class Harness:
     def cap_placement(self, domain: str):
         """CAP's placement at this EP size from the shipped trace of this model and domain (lambda 0.5)."""
         from megatron_llep.placement import Topology, plan_trace
-        from recipes import routing_traces
+        from recipes.runtime import routing_traces
 
         trace = routing_traces.load(self.bench.label, domain, self.bench.trace_dir or routing_traces.TRACE_DIR)
         topology = Topology(self.layout["ep"], self.bench.llep_ranks_per_node or self.layout["ep"], self.bench.cross_node_cost)

@@ -47,7 +47,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
-import numpy as np
 
 from cpu_memory import malloc_for, peak_rss_rise
 from common import BALANCED, DEEPSEEK_V3, GPT_OSS_120B, KIMI_K2, SCENARIOS, LayerShape, Scenario, print_table, write_results

@@ -35,7 +35,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Callable, Optional
 
@@ -78,7 +77,7 @@ def _set_mode(layers: list, mode: str, balanced_ids: Callable[[], np.ndarray]) -
 
 
 def _note_trace(bench: argparse.Namespace, path: str, domain: str, sequences: int, ep: int) -> None:
-    """Record where a trace came from in the trace directory's manifest.json (recipes/routing_traces.py)."""
+    """Record where a trace came from in the trace directory's manifest.json (recipes/runtime/routing_traces.py)."""
     manifest_path = os.path.join(bench.trace_dir, "manifest.json")
     manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else {"traces": {}}
     corpus_manifest = os.path.join(bench.corpus, "manifest.json")
@@ -104,31 +103,30 @@ def main() -> None:
     from megatron_llep.runtime.state import STATS
     from megatron_llep.placement.trace import merge_traces
     from megatron_llep.planning.scenarios import imbalanced_topk
-    from recipes import checkpointing, finetune
-    from recipes import data as sft_data
+    from recipes.runtime import checkpointing, finetuning, model_building, sft_data
 
     tokenizer_path = os.path.join(bench.corpus, "tokenizer", "tokenizer.json")
     common = ["--tokenizer", tokenizer_path, "--data", os.path.join(bench.corpus, f"{bench.domains[0]}_valid.jsonl"),
               "--seq-length", str(bench.seq_length), "--micro-batch-size", str(bench.micro_batch_size),
               "--lr", "1e-12", "--min-lr", "0", "--lr-warmup-iters", "0", "--weight-decay", "0",
               "--train-iters", "1000000", "--watchdog-timeout", "0"]
-    args = finetune.parse_args(common + (["--pretrained", bench.pretrained] if bench.pretrained else []))
-    rank, world, device = finetune.init_distributed()
+    args = finetuning.parse_args(common + (["--pretrained", bench.pretrained] if bench.pretrained else []))
+    rank, world, device = finetuning.ENTRY.init_distributed()
     resume = checkpointing.find_checkpoint(bench.load) if bench.load else None
-    args.megatron_lm_args = finetune.megatron_lm_arguments_for(args, resume)
+    args.megatron_lm_args = model_building.megatron_lm_arguments_for(args, resume)
     if args.megatron_lm_args is None:
         raise SystemExit("model_cpu.py: --load must be a fine-tuning run started from --pretrained")
-    layout = finetune.parallel_layout(args, world, args.megatron_lm_args.num_experts)
+    layout = model_building.parallel_layout(args, world, args.megatron_lm_args.num_experts)
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=layout["ep"], expert_tensor_parallel_size=1)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     tokenizer = sft_data.load_tokenizer(tokenizer_path)
-    recipe, model, optimizer, scheduler = finetune.build(args, layout, device, tokenizer.vocab_size,
+    recipe, model, optimizer, scheduler = finetuning.build(args, layout, device, tokenizer.vocab_size,
                                                          import_pretrained=bench.pretrained)
     if resume:
         checkpointing.load_model_weights(resume, model)
     config = recipe.config
-    layers = finetune.moe_layers(model)
+    layers = model_building.moe_layers(model)
     forward_backward = get_forward_backward_func()
     rng = np.random.default_rng(1234 + rank)
     tokens_per_micro = bench.micro_batch_size * bench.seq_length
@@ -141,7 +139,7 @@ def main() -> None:
         """``count`` global batches from window ``first`` on; returns the slowest rank's mean step time."""
         model.train(not forward_only)
         iterator = sft_data.micro_batches(dataset, first, micro_batch, parallel_state.get_data_parallel_rank(), layout["dp"])
-        forward_step = functools.partial(finetune.forward_step, device, layers, args, config, {"microbatch": 0})
+        forward_step = functools.partial(finetuning.forward_step, device, layers, args, config, {"microbatch": 0})
         dist.barrier()
         start = time.perf_counter()
         for _ in range(count):
@@ -251,5 +249,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()

@@ -5,7 +5,7 @@
 
 Every other figure in docs/ rests on forced "f into h" routing, which overstates skew (
 section 2). This benchmark reads the routing traces of the model trained here
-(``recipes/routing_traces.py``: ``<model>_<domain>.npz``, tokens in their original order,
+(``recipes/runtime/routing_traces.py``: ``<model>_<domain>.npz``, tokens in their original order,
 sequences of 256 tokens back to back) and computes, without a GPU or a process group:
 
 a. imbalance: per (model, domain, layer) the max/mean rank load under sequential placement
@@ -50,7 +50,7 @@ from megatron_llep.placement.metrics import Topology, load_imbalance
 from megatron_llep.placement.trace import RoutingTrace, clustered_topk, expert_counts, planted_clusters
 from megatron_llep.planning.scenarios import imbalanced_topk
 from megatron_llep.writable import write_text
-from recipes import routing_traces
+from recipes.runtime import routing_traces
 
 SEQUENCE_TOKENS = 256  # the traced model's sequence length: replay draws whole sequences
 IMBALANCE_EP = (2, 8, 64)

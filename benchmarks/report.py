@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 
-import common  # noqa: F401  (puts the repository root on sys.path)
 from megatron_llep.writable import write_text
 
 

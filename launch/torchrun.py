@@ -37,8 +37,8 @@ def exit_status(exitcode: int) -> int:
 
 
 LOST_PEER_EXIT_CODE = 75
-"""Exit status of a worker that ended because another worker died (``recipes.watchdog.LOST_PEER_EXIT_CODE``;
-this launcher runs without recipes/ on its path)."""
+"""Exit status of a worker that ended because another worker died (``recipes.runtime.watchdog.LOST_PEER_EXIT_CODE``;
+the launcher imports nothing of the project, so it starts at once)."""
 
 
 def first_cause(err: ChildFailedError) -> tuple[int, ProcessFailure]:

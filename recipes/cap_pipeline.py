@@ -23,27 +23,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
+from recipes.runtime.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns at import time
 
-from recipes import evaluate, model_building  # noqa: E402
-from recipes.entry_point import EntryPoint, check_writable_directories, check_writable_files  # noqa: E402
+from recipes.runtime import evaluation, model_building  # noqa: E402
+from recipes.runtime.entry_point import EntryPoint, check_writable_directories, check_writable_files  # noqa: E402
 
 ENTRY = EntryPoint("cap_pipeline")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = evaluate.build_parser(__doc__, "cap_pipeline")
+    parser = evaluation.build_parser(__doc__, "cap_pipeline")
     cap = parser.add_argument_group("CAP pipeline")
     cap.add_argument("--out", required=True, metavar="FILE", help="the placement file to write")
     select = cap.add_mutually_exclusive_group()
@@ -58,7 +55,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                                        "2 x movable units)")
     cap.add_argument("--keep-traces", default=None, metavar="DIR",
                      help="also write the recorded traces here (trace_rank<r>.npz)")
-    args = evaluate.check_arguments(parser, parser.parse_args(argv), placement_uses_cost=True)
+    args = evaluation.check_arguments(parser, parser.parse_args(argv), placement_uses_cost=True)
     if args.llep_placement:
         parser.error("--llep-placement: this command makes the placement (it writes --out); drop --llep-placement")
     if args.record_routing_trace:
@@ -84,11 +81,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from megatron_llep.integrations.routing_traces import RoutingTraceRecorder
     from megatron_llep.integrations.placement import profile_spectrum, restore_original_order
     from megatron_llep.placement import Topology, merge_traces, plan_trace, read_checkpoint_placement
-    from recipes import dashboard, finetune, watchdog
-    from recipes import data as sft_data
+    from recipes.runtime import dashboard, finetuning, sft_data, watchdog
 
     started = time.perf_counter()
-    run = evaluate.prepare(args, ENTRY)
+    run = evaluation.prepare(args, ENTRY)
     rank, world, source, recipe, model, layout = run.rank, run.world, run.source, run.recipe, run.model, run.layout
     saved = read_checkpoint_placement(source.checkpoint) if source.checkpoint else None
     if saved is not None:  # traces and the new placement are in the experts' original ids
@@ -107,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"{run.described}{'' if pruning is None else f', routing pruning p = {pruning.p:g} ({pruning.method})'}")
     recorder = RoutingTraceRecorder(model, max_tokens_per_layer=args.trace_tokens_per_layer, seed=args.seed + rank).start()
     load_meter = dashboard.MoELoadMeter(model)
-    loss, _, moe_metrics = finetune.evaluate(model, forward_backward, step, run.step_state, windows, batches, args, layout,
+    loss, _, moe_metrics = finetuning.evaluate(model, forward_backward, step, run.step_state, windows, batches, args, layout,
                                              source.iteration, load_meter)
     recorder.stop()
     local = recorder.trace()

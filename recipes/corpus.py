@@ -43,8 +43,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from megatron_llep.writable import OutputError, StagedOutputs, directory_problem  # noqa: E402
 
 DOMAINS = ("code", "prose", "legal")
@@ -209,7 +207,7 @@ def _versions() -> dict[str, str]:
 def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_split: Optional[int] = None,
           log=print) -> dict:
     """Write the corpus, the tokenizer and the indexed datasets under ``out``; returns the manifest."""
-    from recipes import data as sft_data
+    from recipes.runtime import sft_data
     from recipes.make_indexed_dataset import build_indexed_dataset, megatron_tokenizer_flags
 
     start = time.perf_counter()
@@ -265,7 +263,7 @@ def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_split: Optiona
 def read_manifest(path: str) -> dict:
     """The corpus manifest ``path`` (``--check``); CorpusError naming the file and the field when it
     is not one :func:`build` wrote."""
-    from recipes import data as sft_data
+    from recipes.runtime import sft_data
 
     try:
         want = sft_data.read_json_object(path, "corpus manifest")

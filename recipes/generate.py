@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any, Optional, Sequence
 
@@ -38,16 +37,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
+from recipes.runtime.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns at import time
 
-from recipes import data as sft_data  # noqa: E402
-from recipes import model_building, model_sources  # noqa: E402
-from recipes.entry_point import EntryPoint, RankZeroArgumentParser, check_existing_files, utf8_text  # noqa: E402
-from recipes.logits import mtp_skipped  # noqa: E402
+from recipes.runtime import model_building, model_sources, sft_data  # noqa: E402
+from recipes.runtime.entry_point import EntryPoint, RankZeroArgumentParser, check_existing_files, utf8_text  # noqa: E402
+from recipes.runtime.logits import mtp_skipped  # noqa: E402
 
 ENTRY = EntryPoint("generate")
 POSITIVE = ("max_new_tokens", "max_batch_size", "temperature", "top_k", "top_p")
@@ -205,7 +201,7 @@ def generation_classes():
 def generate(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the generation; returns one record per prompt (the JSONL of ``--output``) on every rank."""
     from megatron_llep.compat import inference as mcore_inference
-    from recipes import dashboard, watchdog
+    from recipes.runtime import dashboard, watchdog
 
     started = time.perf_counter()
     rank, world, device = ENTRY.start(args.watchdog_timeout)

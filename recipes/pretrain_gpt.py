@@ -17,7 +17,7 @@ CPU (gloo, 2 ranks; the flags a CPU run needs are added)::
         --micro-batch-size 2 --global-batch-size 4 --train-iters 10 --lr 1e-3 --eval-iters 2 --log-interval 1 \\
         --force-routing 0.9:1
 
-Supervised like the other entry points (recipes/entry_point.py): ``--watchdog-timeout`` (Megatron-LM's
+Supervised like the other entry points (recipes/runtime/entry_point.py): ``--watchdog-timeout`` (Megatron-LM's
 ``--distributed-timeout-minutes`` is set above it), one line when another rank died, the ranks stop
 with a killed torchrun, no process of a rank outlives it when it is killed mid-save, and a run that
 ``--exit-signal-handler`` stopped exits with 128 + the signal after saving.
@@ -38,14 +38,12 @@ from typing import Iterator, Optional, Sequence  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
+from recipes.runtime.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 quiet_known_cpu_warnings()  # before the first Megatron-Core import, which warns at import time
 
-from recipes import watchdog  # noqa: E402
-from recipes.entry_point import EntryPoint  # noqa: E402
+from recipes.runtime import watchdog  # noqa: E402
+from recipes.runtime.entry_point import EntryPoint  # noqa: E402
 
 PREFIX = "[pretrain_gpt]"
 ENTRY = EntryPoint("pretrain_gpt")
@@ -60,7 +58,7 @@ def _fail(message: str) -> None:
     """A usage error: one line, exit status 2, no traceback. Every rank finds it: rank 0 reports it and
     the launcher ends the others, which wait for that first (and report it themselves only if rank 0
     did not find it), so the line is printed once."""
-    from recipes import entry_point
+    from recipes.runtime import entry_point
 
     entry_point.wait_for_rank_zero_report()
     print(f"{PREFIX} error: {message}", file=sys.stderr, flush=True)
@@ -86,11 +84,11 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """This script's checks (one-line ``ValueError``; recipes/pretrain_checks.py): forced routing,
+    """This script's checks (one-line ``ValueError``; recipes/runtime/pretrain_checks.py): forced routing,
     ``--load``, the directories Megatron-LM writes logs and caches into, ``--save`` and the data
     prefixes."""
     from megatron_llep.compat import megatron_training
-    from recipes import pretrain_checks
+    from recipes.runtime import pretrain_checks
 
     if args.force_routing is not None:
         try:
@@ -265,7 +263,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     """Check the installation and the flags, then run ``megatron.training.pretrain``."""
     from megatron_llep.integrations import megatron_lm
     from megatron_llep.compat import megatron_training
-    from recipes.launch_env import rendezvous_env_from_slurm
+    from recipes.runtime.launch_env import rendezvous_env_from_slurm
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -329,10 +327,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def _lock_save_directories(args: argparse.Namespace) -> None:
-    """One run per save directory, as in fine-tuning: rank 0 takes the lock (recipes/save_lock.py) of
+    """One run per save directory, as in fine-tuning: rank 0 takes the lock (recipes/runtime/save_lock.py) of
     every directory the parsed arguments will save into (any spelling of the flags), once it knows
     the directory is writable."""
-    from recipes import pretrain_checks, save_lock
+    from recipes.runtime import pretrain_checks, save_lock
 
     if _rank() != 0:
         return
@@ -347,7 +345,7 @@ def _lock_save_directories(args: argparse.Namespace) -> None:
 def _precheck_parsed_args(args: argparse.Namespace) -> None:
     """The save directories' locks, then the flags Megatron-LM's validation would refuse with a bare
     assertion, named (a usage error ends the run)."""
-    from recipes import pretrain_checks
+    from recipes.runtime import pretrain_checks
 
     _lock_save_directories(args)
     try:
@@ -365,7 +363,7 @@ def _checkpoint_saving(iteration: int, async_save: bool) -> Iterator[None]:
     that fails on any rank (a full disk) leaves no partial ``iter_*`` directory and the "latest" file
     as it was, and ends the run in one line from rank 0 (exit status 1)."""
     from megatron_llep.compat import mcore
-    from recipes import checkpointing
+    from recipes.runtime import checkpointing
 
     watchdog.progress(f"saving iteration {iteration}", long=True)
     if not async_save:

@@ -90,7 +90,7 @@ def _tear_down() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from recipes import watchdog
+    from recipes.runtime import watchdog
 
     watchdog.stop()
     parallel_state.destroy_model_parallel()
@@ -129,7 +129,7 @@ def _run(case: dict) -> tuple[object, bool]:
 
 def main(out_dir: str, spec_path: str) -> None:
     from megatron_llep.compat import megatron_training
-    from recipes import entry_point
+    from recipes.runtime import entry_point
 
     rank = int(os.environ["RANK"])
     with open(spec_path) as f:

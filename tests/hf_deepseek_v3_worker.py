@@ -31,7 +31,7 @@ HOT_BIAS = (0.75, 0.5, 0.25, 0.0, -0.125, 0.0625, -0.0625, 0.125)
 def tiny_hf_config(rope_interleave: bool = True, **fields) -> dict:
     """config.json of the deepseek-v3-tiny recipe, in the release's field names (``fields``
     replace some)."""
-    from recipes.hf.deepseek_v3 import hf_config_from_recipe
+    from recipes.hf.tables.deepseek_v3 import hf_config_from_recipe
     from recipes.models import deepseek_v3
 
     return {**hf_config_from_recipe(deepseek_v3("tiny", cpu=True), rope_interleave=rope_interleave), **fields}
@@ -241,7 +241,7 @@ def _build(directory: str, ep: int, **options):
     from megatron_llep.config import LLEPConfig
     from megatron_llep.runtime.layer import with_llep
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.deepseek_v3 import recipe_from_hf_config
+    from recipes.hf.tables.deepseek_v3 import recipe_from_hf_config
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
@@ -254,13 +254,13 @@ def _build(directory: str, ep: int, **options):
 
 
 def _import(model, directory: str):
-    from recipes.hf.convert import import_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
 
     return import_hf_checkpoint(model, directory, "deepseek-v3", verbose=False)
 
 
 def _logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from recipes.logits import lm_and_mtp_logits, lm_logits
+    from recipes.runtime.logits import lm_and_mtp_logits, lm_logits
 
     model.eval()
     with torch.no_grad():
@@ -283,8 +283,8 @@ def _llep_modes(model) -> list[str]:
 @contextlib.contextmanager
 def rope_nope_swapped():
     """Negative control: queries' per-head rows taken as [rope, nope] instead of [nope, rope]."""
-    from recipes.hf import deepseek_v3 as family
-    from recipes.hf.convert import TRANSFORMS, register_transform
+    from recipes.hf.tables import deepseek_v3 as family
+    from recipes.hf.rules import TRANSFORMS, register_transform
 
     original = TRANSFORMS["deepseek_q_up"]
 
@@ -312,7 +312,7 @@ def run_ep(rank: int, world: int, directory: str, ids: torch.Tensor, export_dir:
     main, mtp, alone = _logits(model, mine)
     out = dict(main=main, mtp=mtp, alone=alone, modes=_llep_modes(model), bytes_read=report.bytes_read)
     if export_dir is not None:
-        from recipes.hf.convert import export_hf_checkpoint
+        from recipes.hf.exporting import export_hf_checkpoint
         from recipes.hf.checkpoint import HFCheckpoint
 
         export_hf_checkpoint(model, "deepseek-v3", export_dir, HFCheckpoint(directory).config, dtype=torch.bfloat16,
@@ -330,7 +330,7 @@ def run_single(rank: int, world: int, interleaved_dir: str, plain_dir: str, plai
                ids: torch.Tensor, fp8_dirs: list) -> dict:
     """The smallest layout (one rank, EP = 1): the rope_interleave=false checkpoint, its two
     negative controls (the config's rope claim flipped, rope/nope swapped), FP8 imports."""
-    from recipes.hf.convert import canonical_entries
+    from recipes.hf.rules import canonical_entries
 
     out: dict = {}
     _, model = _build(plain_dir, 1)
@@ -430,7 +430,7 @@ def run_random(rank: int, world: int, cases: list) -> list:
     without an MTP layer)."""
     from megatron.core import parallel_state
 
-    from recipes.logits import lm_and_mtp_logits, lm_logits
+    from recipes.runtime.logits import lm_and_mtp_logits, lm_logits
 
     out = []
     for directory, ids in cases:

@@ -171,7 +171,7 @@ def _build(job: Job, layout: Layout):
     from megatron_llep.config import LLEPConfig
     from megatron_llep.runtime.layer import with_llep
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.gpt_oss import recipe_from_hf_config
+    from recipes.hf.tables.gpt_oss import recipe_from_hf_config
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -238,8 +238,10 @@ class _UnsplitGateUp:
 
 
 def run(rank: int, world: int, job: Job) -> dict:
-    from recipes.hf import gpt_oss  # noqa: F401  (registers the transforms)
-    from recipes.hf.convert import TRANSFORMS, Transform, export_hf_checkpoint, import_hf_checkpoint, register_transform
+    from recipes.hf.tables import gpt_oss  # noqa: F401  (registers the transforms)
+    from recipes.hf.exporting import export_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
+    from recipes.hf.rules import TRANSFORMS, register_transform, Transform
 
     torch._dynamo.config.disable = True
     out: dict = {}
@@ -309,7 +311,7 @@ def run(rank: int, world: int, job: Job) -> dict:
 
     if job.export_dir:
         from recipes.hf.checkpoint import HFCheckpoint
-        from recipes.hf.gpt_oss import hf_config_from_recipe
+        from recipes.hf.tables.gpt_oss import hf_config_from_recipe
 
         base = HFCheckpoint(job.hf_dir).config
         out["export"] = export_hf_checkpoint([model], "gpt-oss", job.export_dir, hf_config_from_recipe(recipe, base),
@@ -338,7 +340,8 @@ def _backward(model, ids: torch.Tensor) -> str:
 
 def import_errors(rank: int, world: int, directories: list) -> list:
     """The error each (broken) checkpoint directory's import raises (None if it imports)."""
-    from recipes.hf.convert import ConversionError, import_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
+    from recipes.hf.rules import ConversionError
 
     messages = []
     for directory in directories:
@@ -363,10 +366,10 @@ def measure(rank: int, world: int, hf_dir: str) -> dict:
     """Build the recipe from ``hf_dir``'s config.json at EP = world, import, and report per rank."""
     job = Job(hf_dir, torch.zeros(1), torch.zeros(1))
     _, model = _build(job, Layout(ep=world, llep=False))
-    from recipes.hf.convert import import_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
 
     report = import_hf_checkpoint([model], hf_dir, "gpt-oss", verbose=False)
-    from recipes.hf.convert import _proc_status
+    from recipes.hf.rules import _proc_status
 
     return dict(status={k: v / 2**20 for k, v in _proc_status().items()}, param_mib=report.param_bytes / 2**20, read_mib=report.bytes_read / 2**20,
                 rss_before_mib=report.rss_before / 2**20, peak_overhead_mib=report.peak_overhead / 2**20,

@@ -28,8 +28,9 @@ def _exports(model, family, source_dir: str, out_root: str, prefix: str, recipe_
     """Round trip (source scales), fresh scales; after the nudge: published precision and fp32."""
     from recipes.hf.__main__ import exported_config, quantization_logits
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.convert import export_hf_checkpoint, family_module
-    from recipes.hf.quant import ExportQuantizer
+    from recipes.hf.exporting import export_hf_checkpoint
+    from recipes.hf.rules import family_module
+    from recipes.hf.quantization import ExportQuantizer
 
     module = family_module(family)
     source_config = HFCheckpoint(source_dir).config
@@ -56,8 +57,8 @@ def _exports(model, family, source_dir: str, out_root: str, prefix: str, recipe_
 def run(rank: int, world: int, gpt_oss_mxfp4: str, deepseek_fp8: str, out_root: str) -> dict:
     import hf_deepseek_v3_worker as D
     import hf_gpt_oss_worker as W
-    from recipes.hf.convert import import_hf_checkpoint
-    from recipes.hf.gpt_oss import hf_config_from_recipe
+    from recipes.hf.importing import import_hf_checkpoint
+    from recipes.hf.tables.gpt_oss import hf_config_from_recipe
 
     torch._dynamo.config.disable = True
     recipe, model = W._build(W.Job(gpt_oss_mxfp4, torch.zeros(1), torch.zeros(1)), W.Layout(ep=world, llep=False))
@@ -80,9 +81,10 @@ def measure(rank: int, world: int, mxfp4_dir: str, out_dir: str, max_shard_bytes
     shards); per-rank numbers."""
     import hf_gpt_oss_worker as W
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.convert import export_hf_checkpoint, import_hf_checkpoint
-    from recipes.hf.gpt_oss import QUANTIZED_HF
-    from recipes.hf.quant import ExportQuantizer
+    from recipes.hf.exporting import export_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
+    from recipes.hf.tables.gpt_oss import QUANTIZED_HF
+    from recipes.hf.quantization import ExportQuantizer
 
     _, model = W._build(W.Job(mxfp4_dir, torch.zeros(1), torch.zeros(1)), W.Layout(ep=world, llep=False))
     imported = import_hf_checkpoint([model], mxfp4_dir, "gpt-oss", verbose=False)

@@ -40,7 +40,7 @@ def _build(job: Job):
     from megatron_llep.config import LLEPConfig
     from megatron_llep.runtime.layer import with_llep
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.convert import family_module
+    from recipes.hf.rules import family_module
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -57,7 +57,7 @@ def _build(job: Job):
 
 
 def _logits_err(model, job: Job) -> float:
-    from recipes.logits import lm_logits
+    from recipes.runtime.logits import lm_logits
 
     with torch.no_grad():
         out = lm_logits(model, job.ids).double()
@@ -79,7 +79,7 @@ def _partition_dim_flipped(model):
 @contextlib.contextmanager
 def _gate_up_without_rank_blocks():
     """DeepSeek's dense/shared ``linear_fc1`` as plain ``[gate; up]`` (not ``[gate_r; up_r]`` per rank)."""
-    from recipes.hf.convert import TRANSFORMS, Transform, register_transform
+    from recipes.hf.rules import TRANSFORMS, register_transform, Transform
 
     original = TRANSFORMS["deepseek_gate_up"]
 
@@ -116,7 +116,9 @@ def run(rank: int, world: int, jobs: list) -> list:
 
 def run_one(job: Job) -> dict:
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.convert import ConversionError, export_hf_checkpoint, family_module, import_hf_checkpoint
+    from recipes.hf.exporting import export_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
+    from recipes.hf.rules import ConversionError, family_module
 
     torch._dynamo.config.disable = True
     recipe, model = _build(job)
@@ -148,7 +150,7 @@ def run_one(job: Job) -> dict:
         export_hf_checkpoint(model, job.family, job.wrong_dim_export_dir, hf_config, verbose=False)
     if job.quant_source:  # last: it replaces the weights by their quantized round trip
         from recipes.hf.__main__ import quantization_logits
-        from recipes.hf.quant import ExportQuantizer
+        from recipes.hf.quantization import ExportQuantizer
 
         source = HFCheckpoint(job.quant_source)
         quantizer = ExportQuantizer(module.QUANTIZED_HF, source.config, source)

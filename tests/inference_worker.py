@@ -28,15 +28,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
+from recipes.runtime.cpu_warnings import quiet_known_cpu_warnings  # noqa: E402
 
 quiet_known_cpu_warnings()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from recipes import evaluate, generate, model_building, model_sources  # noqa: E402
-from recipes.logits import lm_logits  # noqa: E402
+from recipes import evaluate, generate  # noqa: E402
+from recipes.runtime import model_building, model_sources  # noqa: E402
+from recipes.runtime.logits import lm_logits  # noqa: E402
 
 
 def recompute_greedy(model, routing, prompts, max_new_tokens: int, eos: int, vocab: int) -> list[tuple[list, list]]:
@@ -69,18 +70,17 @@ def evaluation_loss(model, eval_args, world: int, recipe) -> float:
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from recipes import dashboard, finetune
-    from recipes import data as sft_data
+    from recipes.runtime import dashboard, evaluation, finetuning, sft_data
 
-    samples, _, _ = evaluate.read_data(eval_args, world)
-    dataset = sft_data.PackedSFTDataset(samples, eval_args.seq_length, seed=finetune.VALID_PACKING_SEED)
+    samples, _, _ = evaluation.read_data(eval_args, world)
+    dataset = sft_data.PackedSFTDataset(samples, eval_args.seq_length, seed=finetuning.VALID_PACKING_SEED)
     layout = model_building.parallel_layout(eval_args, world, recipe.config.num_moe_experts)
-    count = min(dataset.num_windows, evaluate.windows_wanted(eval_args, layout["global_batch"]) or dataset.num_windows)
+    count = min(dataset.num_windows, evaluation.windows_wanted(eval_args, layout["global_batch"]) or dataset.num_windows)
     state = {"microbatch": 0}
-    step = partial(finetune.forward_step, torch.device("cpu"), model_building.moe_layers(model), eval_args,
+    step = partial(finetuning.forward_step, torch.device("cpu"), model_building.moe_layers(model), eval_args,
                    recipe.config, state)
-    loss, _, _ = finetune.evaluate(model, get_forward_backward_func(), step, state,
-                                   evaluate.EvaluatedWindows(dataset, count), -(-count // layout["global_batch"]),
+    loss, _, _ = finetuning.evaluate(model, get_forward_backward_func(), step, state,
+                                   evaluation.EvaluatedWindows(dataset, count), -(-count // layout["global_batch"]),
                                    eval_args, layout, 0, dashboard.MoELoadMeter(model))
     model.eval()
     return loss

@@ -229,7 +229,7 @@ def test_statistics_show_the_most_rows_against_the_budget():
 
 def test_log_lines_show_the_rows_against_the_budget():
     from megatron_llep.integrations.megatron_lm import summary_line
-    from recipes.dashboard import llep_summary
+    from recipes.runtime.dashboard import llep_summary
 
     metrics = {"moe/layer_1/llep_active": 1.0, "moe/layer_1/max_mean_before": 2.0, "moe/layer_1/max_mean_after": 1.0,
                "moe/layer_1/spilled_tokens": 50.0, "moe/layer_1/weight_bytes": 1024.0, "moe/layer_1/plan_time_ms": 0.1,

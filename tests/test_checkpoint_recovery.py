@@ -1,4 +1,4 @@
-"""Damaged checkpoints, killed and stopped ranks (recipes/checkpointing.py, recipes/watchdog.py).
+"""Damaged checkpoints, killed and stopped ranks (recipes/runtime/checkpointing.py, recipes/runtime/watchdog.py).
 
 * the manifest (sizes, SHA-256) against hashlib, and find_checkpoint's fallback on 2 gloo ranks:
   a truncated, corrupted or deleted file, an interrupted save, a garbage or dangling "latest" file
@@ -41,7 +41,7 @@ def _fake_save(root: str, iteration: int, rank: int) -> None:
     """What a save leaves: rank 0's common files, one shard per rank, the manifest, the latest file."""
     import torch.distributed as dist
 
-    from recipes import checkpointing
+    from recipes.runtime import checkpointing
 
     directory = os.path.join(root, f"iter_{iteration:07d}")
     if rank == 0:
@@ -83,7 +83,7 @@ def fallback_scenarios(rank: int, world: int, workdir: str) -> dict:
     find_checkpoint; returns, per scenario, what it chose (or its error) and what it printed."""
     import torch.distributed as dist
 
-    from recipes import checkpointing
+    from recipes.runtime import checkpointing
 
     pristine, root = os.path.join(workdir, "pristine"), os.path.join(workdir, "ckpt")
     for iteration in (1, 2, 3):
@@ -197,7 +197,7 @@ def test_manifest_matches_hashlib_and_damage_falls_back_with_a_line(tmp_path):
 FORKING_RANK = """
 import multiprocessing, sys, time
 sys.path.insert(0, sys.argv[1])
-from recipes.checkpointing import writers_die_with_this_process
+from recipes.runtime.checkpointing import writers_die_with_this_process
 fork = multiprocessing.get_context("fork")
 with writers_die_with_this_process():
     guarded = fork.Process(target=time.sleep, args=(600,))
@@ -350,7 +350,7 @@ def test_no_complete_checkpoint_is_one_line_and_exit_2(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "error:" in line and line.startswith("[")]
     assert errors == [f"[finetune] error: no complete checkpoint under {ckpt} (iter_0000002: no "
                       "checkpoint_manifest.json (a save that did not finish, or not written by "
-                      "recipes/checkpointing.py)): move the damaged checkpoints away or point --load at another "
+                      "recipes/runtime/checkpointing.py)): move the damaged checkpoints away or point --load at another "
                       "directory"], proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr and "exitcode  : 2" in proc.stderr
 

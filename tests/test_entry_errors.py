@@ -22,8 +22,9 @@ from megatron_llep.placement.cli import main as placement_main
 from megatron_llep.placement.trace import synthetic_trace
 from megatron_llep.testing.distributed import run_distributed
 from recipes import finetune
-from recipes.data import ByteTokenizer, DataError, load_tokenizer, read_sft_jsonl
-from recipes.memory import GIB, estimate_training_memory, memory_shortfall, stage_parameters
+from recipes.runtime import entry_point, model_building
+from recipes.runtime.sft_data import ByteTokenizer, DataError, load_tokenizer, read_sft_jsonl
+from recipes.runtime.memory import GIB, estimate_training_memory, memory_shortfall, stage_parameters
 from recipes.models import RECIPES, deepseek_v3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,7 +208,7 @@ def test_every_entry_point_and_the_megatron_lm_plugin_offer_every_llep_knob_unde
 
 
 def test_the_row_budget_flag_reaches_the_llep_config():
-    from recipes.model_building import llep_config
+    from recipes.runtime.model_building import llep_config
 
     assert llep_config(finetune.parse_args([]), on_gpu=False).max_tokens_per_rank is None
     args = finetune.parse_args(["--llep-max-tokens-per-rank", "512"])
@@ -217,14 +218,14 @@ def test_the_row_budget_flag_reaches_the_llep_config():
 def test_only_rank_zero_reports_a_usage_error_at_once(monkeypatch):
     waits = []
     monkeypatch.setattr(finetune.time, "sleep", waits.append)
-    for rank, expected in (("0", []), ("1", [finetune.PEER_ERROR_GRACE_S])):
+    for rank, expected in (("0", []), ("1", [entry_point.PEER_ERROR_GRACE_S])):
         waits.clear()
         monkeypatch.setenv("RANK", rank)
-        finetune.wait_for_rank_zero_report()
+        entry_point.wait_for_rank_zero_report()
         assert waits == expected
     monkeypatch.delenv("RANK")
     monkeypatch.setenv("SLURM_PROCID", "3")  # srun without torchrun
-    assert finetune.launch_rank() == 3
+    assert entry_point.launch_rank() == 3
 
 
 def _torchrun(*args, timeout=240):
@@ -466,7 +467,7 @@ def test_pretrained_usage_errors_name_the_flag(tmp_path, capsys):
 
 
 def test_pretrained_directory_that_is_no_megatron_lm_checkpoint_is_one_line(tmp_path):
-    from recipes import pretrained
+    from recipes.runtime import pretrained
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     with pytest.raises(pretrained.PretrainedError, match=r"holds 'release', not an iteration number$"):
@@ -482,13 +483,13 @@ def test_pretrained_directory_that_is_no_megatron_lm_checkpoint_is_one_line(tmp_
 
 def test_aux_loss_coefficient_applies_to_a_model_with_one_balancing_loss():
     config = deepseek_v3("tiny", cpu=True, dtype=torch.float32).config  # seq_aux_loss
-    finetune.set_aux_loss_coeff(config, 0.0, "deepseek-v3-tiny")
+    model_building.set_aux_loss_coeff(config, 0.0, "deepseek-v3-tiny")
     assert config.moe_aux_loss_coeff == 0.0
     gpt_oss = RECIPES["gpt-oss-tiny"]().config  # no balancing loss: only 0 makes sense
-    finetune.set_aux_loss_coeff(gpt_oss, 0.0, "gpt-oss-tiny")
+    model_building.set_aux_loss_coeff(gpt_oss, 0.0, "gpt-oss-tiny")
     with pytest.raises(finetune.ConfigError, match=r"^--moe-aux-loss-coeff 0.01: gpt-oss-tiny's router has "
                                                     r"load-balancing loss 'none'"):
-        finetune.set_aux_loss_coeff(gpt_oss, 0.01, "gpt-oss-tiny")
+        model_building.set_aux_loss_coeff(gpt_oss, 0.01, "gpt-oss-tiny")
 
 
 def test_make_indexed_dataset_refuses_a_directory_prefix_and_leaves_nothing_when_the_write_is_short(

@@ -20,8 +20,8 @@ import torch
 from hf_deepseek_v3_worker import (build_reference, fp8_checkpoint, hf_logits, random_configs, run_ep, run_random,
                                    run_single, run_variants, tiny_hf_config)
 from megatron_llep.testing.distributed import run_distributed
-from recipes.hf.convert import ConversionError
-from recipes.hf.deepseek_v3 import hf_config_from_recipe, recipe_from_hf_config
+from recipes.hf.rules import ConversionError
+from recipes.hf.tables.deepseek_v3 import hf_config_from_recipe, recipe_from_hf_config
 from recipes.models import DEEPSEEK_V3_SIZES, check_deepseek_group_routing, config_fields, deepseek_v3
 
 TOL = 1e-5
@@ -134,7 +134,7 @@ def test_export_reproduces_the_checkpoint_and_transformers_loads_it(checkpoints,
 
 
 def test_fp8_checkpoint_imports_dequantized(checkpoints, single):
-    from recipes.hf.convert import TRANSFORMS, Context, _Family
+    from recipes.hf.rules import TRANSFORMS, Context, _Family
 
     family = _Family("deepseek-v3")
     originals = _tensors(checkpoints["interleaved"])
@@ -330,7 +330,7 @@ def test_gated_fc1_is_laid_out_per_tensor_parallel_rank():
     model at TP = 2 against transformers: tests/test_hf_tensor_parallel.py)."""
     from types import SimpleNamespace
 
-    from recipes.hf.convert import TRANSFORMS, Context
+    from recipes.hf.rules import TRANSFORMS, Context
 
     gate, up = torch.arange(8.0).reshape(4, 2), 100 + torch.arange(8.0).reshape(4, 2)
     values = {"g": gate, "u": up}

@@ -208,7 +208,7 @@ def _fields(config) -> dict:
 
 
 def test_released_config_builds_the_spec_recipe():
-    from recipes.hf.gpt_oss import hf_config_from_recipe, recipe_from_hf_config
+    from recipes.hf.tables.gpt_oss import hf_config_from_recipe, recipe_from_hf_config
     from recipes.models import gpt_oss
 
     released = _released_20b_config()
@@ -234,8 +234,8 @@ def test_released_config_builds_the_spec_recipe():
     ("swiglu_limit", 10.0, "swiglu_limit = 10.0 contradicts"),
 ])
 def test_config_contradicting_a_fixed_recipe_is_one_error(field, value, message):
-    from recipes.hf.convert import ConversionError
-    from recipes.hf.gpt_oss import recipe_from_hf_config
+    from recipes.hf.rules import ConversionError
+    from recipes.hf.tables.gpt_oss import recipe_from_hf_config
 
     config = dict(_released_20b_config(), **{field: value})
     with pytest.raises(ConversionError, match=re.escape(message)) as info:
@@ -245,7 +245,7 @@ def test_config_contradicting_a_fixed_recipe_is_one_error(field, value, message)
 
 def test_any_size_from_config_json(tiny):
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.gpt_oss import recipe_from_hf_config
+    from recipes.hf.tables.gpt_oss import recipe_from_hf_config
 
     config = HFCheckpoint(tiny["hf_dir"]).config
     recipe = recipe_from_hf_config(config, "gpt-oss-tiny", ep_size=2, cpu=True)
@@ -360,7 +360,8 @@ def test_import_config_error_is_one_line_before_any_process_group(tiny, tmp_path
 def test_a_vocabulary_tensor_parallelism_cannot_split_is_one_line(tiny, tmp_path):
     """Megatron-Core splits the vocabulary into TP equal shards: an odd one at TP = 2 is one line
     naming the field and the flag (checked with the layout, before any process group or model)."""
-    from recipes import finetune, model_building
+    from recipes import finetune
+    from recipes.runtime import model_building
 
     directory = tmp_path / "odd"
     shutil.copytree(tiny["hf_dir"], directory)
@@ -404,8 +405,8 @@ def test_gate_up_layout_under_expert_tensor_parallelism():
     transform's full tensor narrowed contiguously gives exactly that, and to_hf inverts it."""
     from types import SimpleNamespace
 
-    from recipes.hf.convert import TRANSFORMS, Context
-    from recipes.hf.gpt_oss import deinterleave
+    from recipes.hf.rules import TRANSFORMS, Context
+    from recipes.hf.tables.gpt_oss import deinterleave
 
     d, h, tp = 6, 8, 2
     gate_up = torch.randn(d, 2 * h)  # one expert's row of gate_up_proj, columns interleaved

@@ -1,4 +1,4 @@
-"""recipes.hf.quant: the released checkpoints' MXFP4 (gpt-oss) and block-FP8 (DeepSeek-V3) weights
+"""recipes.hf.quantization: the released checkpoints' MXFP4 (gpt-oss) and block-FP8 (DeepSeek-V3) weights
 dequantize bit for bit as transformers loads them.
 
 Nothing is downloaded: the tests quantize random tensors with small quantizers written here, then
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from recipes.hf.quant import (FP4_E2M1_VALUES, dequantize_fp8_blockwise, dequantize_mxfp4,
+from recipes.hf.quantization import (FP4_E2M1_VALUES, dequantize_fp8_blockwise, dequantize_mxfp4,
                               gpt_oss_expert_weight_from_mxfp4)
 
 # transformers' pure-torch implementations (CPU, no triton):

@@ -1,5 +1,5 @@
-"""Export in the published precision (recipes.hf.quant.quantize_* / ExportQuantizer, the export
-path of recipes.hf.convert): gpt-oss's MXFP4 experts and DeepSeek-V3's block FP8 weights.
+"""Export in the published precision (recipes.hf.quantization.quantize_* / ExportQuantizer, the export
+path of recipes.hf.exporting): gpt-oss's MXFP4 experts and DeepSeek-V3's block FP8 weights.
 
 References are independent of the code under test: quantizers written here in float64 (and
 DeepSeek's amax / 448 rule as tests/test_hf_quant.py writes it), transformers' own dequantizers and
@@ -28,7 +28,7 @@ import hf_quant_export_worker as Q  # noqa: E402
 from test_hf_quant import quantize_fp8, same_bits  # noqa: E402
 
 from megatron_llep.testing.distributed import run_distributed  # noqa: E402
-from recipes.hf.quant import (QuantStats, dequantize_fp8_blockwise, dequantize_mxfp4, quantize_fp8_blockwise,  # noqa: E402
+from recipes.hf.quantization import (QuantStats, dequantize_fp8_blockwise, dequantize_mxfp4, quantize_fp8_blockwise,  # noqa: E402
                               quantize_mxfp4)
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -596,7 +596,7 @@ def _export_args(**flags) -> argparse.Namespace:
 def test_export_flags_are_refused_where_the_round_trip_cannot_hold(exported):
     """``python -m recipes.hf export``: a model imported from a quantized checkpoint needs a scale
     source, fresh scales or --dequantized; flags that contradict the checkpoint are one line."""
-    from recipes.hf import gpt_oss
+    from recipes.hf.tables import gpt_oss
     from recipes.hf.__main__ import export_quantizer
     from recipes.hf.checkpoint import HFCheckpoint
 

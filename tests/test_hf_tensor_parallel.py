@@ -202,7 +202,7 @@ def _chunk_with(names: list) -> torch.nn.Module:
 
 def _hf_names_by_parameter(family: str, names: list) -> dict:
     """Megatron name -> the HF names import reads and export writes for it (None: no rule)."""
-    from recipes.hf.convert import _Family, canonical_entries
+    from recipes.hf.rules import canonical_entries, _Family
 
     table = _Family(family)
     hf_config = {"num_hidden_layers": 2}
@@ -232,8 +232,10 @@ def test_a_transformer_engine_name_without_its_rule_is_refused(monkeypatch, tmp_
     export both refuse the parameter."""
     from safetensors.torch import save_file
 
-    from recipes.hf import gpt_oss
-    from recipes.hf.convert import ConversionError, export_hf_checkpoint, import_hf_checkpoint
+    from recipes.hf.tables import gpt_oss
+    from recipes.hf.exporting import export_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
+    from recipes.hf.rules import ConversionError
 
     monkeypatch.setattr(gpt_oss, "MAPPING", [r for r in gpt_oss.MAPPING if not r.megatron.endswith(
         "linear_qkv.layer_norm_weight")])

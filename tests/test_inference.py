@@ -233,7 +233,7 @@ def test_generate_offers_pruning_and_finetune_does_not(capsys):
 
 
 def test_bad_prompt_records_name_the_line(tmp_path):
-    from recipes import data as sft_data
+    from recipes.runtime import sft_data
     from recipes import generate
 
     prompts = tmp_path / "p.jsonl"
@@ -251,7 +251,7 @@ def test_chat_prompts_are_transformers_generation_prompts(tmp_path, which):
     transformers = pytest.importorskip("transformers")
     from test_sft_data import _deepseek_dir, _harmony_dir
 
-    from recipes import data as sft_data
+    from recipes.runtime import sft_data
 
     directory = {"harmony": _harmony_dir, "deepseek-v3": _deepseek_dir}[which](tmp_path)
     tokenizer = sft_data.load_tokenizer(str(directory))

@@ -1,6 +1,6 @@
 """How a job ends when one of its ranks, or its launcher, is killed, stopped or signalled, for the
-fine-tuning loop and Megatron-LM's (recipes/entry_point.py, recipes/watchdog.py,
-recipes/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
+fine-tuning loop and Megatron-LM's (recipes/runtime/entry_point.py, recipes/runtime/watchdog.py,
+recipes/runtime/parent_death.py), on CPU with gloo and 2 ranks under launch/torchrun.py:
 
 * kill -9 of a rank: the surviving rank says in one line which rank died; no traceback;
 * kill -9 of a pretraining rank during a save: none of its processes survives it (Megatron-Core's
@@ -230,7 +230,7 @@ def test_ctrl_c_during_generation_ends_in_the_launchers_one_line(tmp_path):
 
 def test_start_up_and_checkpoint_phases_are_long_ones(monkeypatch):
     """Start-up and checkpoint saves and loads may take 4 timeouts; leaving them restarts the clock."""
-    from recipes import watchdog
+    from recipes.runtime import watchdog
 
     dog = watchdog.Watchdog(10, rank=0, world=2)
     monkeypatch.setattr(watchdog, "_active", dog)
@@ -247,7 +247,7 @@ def test_start_up_and_checkpoint_phases_are_long_ones(monkeypatch):
 
 
 def test_megatron_lms_collective_timeout_is_set_above_the_watchdog():
-    from recipes.watchdog import megatron_lm_timeouts
+    from recipes.runtime.watchdog import megatron_lm_timeouts
 
     # the longest allowance (4 timeouts) plus half of it, in whole minutes: 60 s -> 360 s, 600 s -> 3600 s
     assert megatron_lm_timeouts(["--llep"], on_gpu=False) == (60.0, ["--llep", "--distributed-timeout-minutes", "6"])
@@ -267,7 +267,7 @@ def test_megatron_lms_collective_timeout_is_set_above_the_watchdog():
 def test_a_lost_connection_is_told_from_a_ranks_own_error():
     """Without a watchdog (no heartbeats), a collective's lost connection still ends in one line; any other
     error is this rank's own and keeps its traceback."""
-    from recipes.watchdog import lost_peer_line
+    from recipes.runtime.watchdog import lost_peer_line
 
     gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:9134: Connection reset by peer. "
                         "This is typically caused by a remote worker hanging")
@@ -292,12 +292,12 @@ def test_a_rank_ending_for_a_lost_peer_is_not_named_as_the_cause(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     from torchrun import LOST_PEER_EXIT_CODE, first_cause
 
-    from recipes import watchdog
+    from recipes.runtime import watchdog
 
     assert LOST_PEER_EXIT_CODE == watchdog.LOST_PEER_EXIT_CODE
     handled = tmp_path / "atexit"
     code = (f"import atexit, pathlib; atexit.register(pathlib.Path({str(handled)!r}).touch); "
-            "from recipes import watchdog; watchdog.end_after_lost_peer('[finetune] error: rank 1 died'); "
+            "from recipes.runtime import watchdog; watchdog.end_after_lost_peer('[finetune] error: rank 1 died'); "
             "print('not reached')")
     ended = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert (ended.returncode, ended.stdout, ended.stderr) == (LOST_PEER_EXIT_CODE, "", "[finetune] error: rank 1 died\n")
@@ -317,7 +317,7 @@ def test_a_rank_ending_for_a_lost_peer_is_not_named_as_the_cause(tmp_path):
 def test_the_watchdog_tells_dead_ranks_from_silent_ones():
     """A rank whose process on this machine is gone died; one whose heartbeat is stale (its process stopped,
     or on another machine) went silent; a fresh heartbeat from another machine is live."""
-    from recipes import watchdog
+    from recipes.runtime import watchdog
 
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(finished.stdout)

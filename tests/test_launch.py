@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from recipes.launch_env import expand_hostlist, first_host, rendezvous_env_from_slurm  # noqa: E402
+from recipes.runtime.launch_env import expand_hostlist, first_host, rendezvous_env_from_slurm  # noqa: E402
 
 FINETUNE_ARGS = ["--train-iters", "2", "--seq-length", "16", "--micro-batch-size", "1"]
 SCRIPTS = ["launch/env.sh", "launch/torchrun.sh", "launch/slurm.sbatch", "launch/local_slurm/start.sh",
@@ -312,5 +312,5 @@ def test_sbatch_torchrun_mode_one_task_two_processes(local_slurm):
 def test_sbatch_per_task_mode_two_tasks(local_slurm):
     with open(os.path.join(ROOT, "recipes", "entry_point.py")) as f:  # finetune.py's start-up
         if "rendezvous_env_from_slurm" not in f.read():
-            pytest.skip("recipes/entry_point.py does not call recipes.launch_env.rendezvous_env_from_slurm yet")
+            pytest.skip("recipes/runtime/entry_point.py does not call recipes.runtime.launch_env.rendezvous_env_from_slurm yet")
     _sbatch(local_slurm, "per-task", 2)

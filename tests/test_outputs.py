@@ -194,7 +194,7 @@ def test_a_checkpoint_megatron_core_016_cannot_read_names_the_release(tmp_path, 
     a Megatron-LM checkpoint (no manifest) is told apart, naming --pretrained; 0.17+ reads the common
     state and tells a Megatron-LM checkpoint by its arguments."""
     from megatron_llep.compat import mcore
-    from recipes import checkpointing, pretrained
+    from recipes.runtime import checkpointing, pretrained
 
     for name, manifest in (("finetuned", True), ("pretrained", False)):
         directory = tmp_path / name / "iter_0000002"
@@ -235,7 +235,7 @@ def test_a_checkpoint_megatron_core_016_cannot_read_names_the_release(tmp_path, 
 
 
 def _hf_config_of_other_sizes(path) -> str:
-    from recipes.hf.convert import family_module
+    from recipes.hf.rules import family_module
     from recipes.models import RECIPES
 
     config = family_module("gpt-oss-tiny").hf_config_from_recipe(RECIPES["gpt-oss-tiny"]())

@@ -62,12 +62,12 @@ def _copy_dataset(prefix: str, to: str, cut_bin: int = 0, cut_idx: int = 0, idx_
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory) -> dict:
     """One torchrun launch running every case; ``{name: (rank 0's result, rank 1's result)}``."""
-    from recipes.checkpointing import LATEST_FILE, MANIFEST_FILE, MANIFEST_FORMAT
+    from recipes.runtime.checkpointing import LATEST_FILE, MANIFEST_FILE, MANIFEST_FORMAT
     from recipes.make_indexed_dataset import build_indexed_dataset
 
     out = tmp_path_factory.mktemp("pretrain_errors")
     data, _, _ = build_indexed_dataset(os.path.join(ROOT, "recipes", "data", "tiny_sft.jsonl"), str(out / "sft"))
-    finetuned = out / "finetuned"  # what recipes/checkpointing.py writes
+    finetuned = out / "finetuned"  # what recipes/runtime/checkpointing.py writes
     (finetuned / "iter_0000002").mkdir(parents=True)
     (finetuned / "iter_0000002" / MANIFEST_FILE).write_text(json.dumps({"format": MANIFEST_FORMAT, "files": {}}))
     (finetuned / LATEST_FILE).write_text("2")
@@ -244,7 +244,7 @@ def test_the_index_check_finds_the_bin_size_and_the_token_scan_samples_large_fil
     includes the first and last windows."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from recipes.pretrain_checks import max_token_id, read_index
+    from recipes.runtime.pretrain_checks import max_token_id, read_index
 
     prefix = str(tmp_path / "ids")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)

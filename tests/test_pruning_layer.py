@@ -27,7 +27,7 @@ from megatron_llep.runtime.statistics import LLEPStatsTracker, PruningStepStats,
 from megatron_llep.runtime.pruning import device_costs, prune_experts, prune_routing_map
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # recipes.dashboard, in the spawned ranks too
+sys.path.insert(0, ROOT)  # recipes.runtime.dashboard, in the spawned ranks too
 
 NUM_EXPERTS, HIDDEN, FFN, TOKENS, WORLD = 8, 16, 12, 48, 2
 M = NUM_EXPERTS // WORLD
@@ -172,7 +172,7 @@ def _run_case(rank: int, case: Case) -> dict:
     force_routing(layer.router, ids)
     STATS.drain_pruning()
     if case.name == DASHBOARD_CASE:
-        from recipes.dashboard import MoELoadMeter
+        from recipes.runtime.dashboard import MoELoadMeter
 
         meter = MoELoadMeter(layer)
     with torch.no_grad():
@@ -205,7 +205,7 @@ def _run_case(rank: int, case: Case) -> dict:
         result["controls"] = {name: _rel_err(out, _reference(x64, kept_with(**b), experts, config))
                               for name, b in broken.items()}
     if case.name == DASHBOARD_CASE:
-        from recipes.dashboard import gather_moe_metrics
+        from recipes.runtime.dashboard import gather_moe_metrics
 
         result["dashboard"] = gather_moe_metrics(meter)[0]
     return result

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_llep.placement.trace import RoutingTrace
-from recipes import routing_traces
+from recipes.runtime import routing_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -1,4 +1,4 @@
-"""One run per save directory (recipes/save_lock.py): a live holder refuses a second run in one line
+"""One run per save directory (recipes/runtime/save_lock.py): a live holder refuses a second run in one line
 naming it (fine-tuning under torchrun, pretraining; ``--save=DIR`` as well, and pretraining's
 ``--save=DIR`` in tests/test_outputs.py), a dead holder's lock (gone, or its pid reused) is taken
 over, a file in its place that is no lock is refused naming it, and the lock goes when the run ends."""
@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from recipes import save_lock  # noqa: E402
+from recipes.runtime import save_lock  # noqa: E402
 from tests.test_pretrain import needs_megatron_training  # noqa: E402
 
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from recipes.data import (
+from recipes.runtime.sft_data import (
     DEFAULT_DATA,
     DEFAULT_TOKENIZER,
     ByteTokenizer,
@@ -134,7 +134,7 @@ def test_sampler_splits_global_batches_across_dp_ranks_and_resumes():
 # Tiny tokenizer directories written here: a byte-level tokenizer.json (every UTF-8 byte a token,
 # no merges, so any text round-trips) with the chat markers as added special tokens, and a chat
 # template modelled on a real one. The expected renderings and trained strings below are typed by
-# hand from the templates, not computed with recipes.data.
+# hand from the templates, not computed with recipes.runtime.sft_data.
 
 # Modelled on openai/gpt-oss-20b's chat_template.jinja (harmony format), simplified: the fixed system
 # message with `strftime_now`, a first system/developer message becomes the developer message, user

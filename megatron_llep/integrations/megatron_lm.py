@@ -42,7 +42,7 @@ from megatron_llep.runtime.state import STATS, accumulating_gradients
 from megatron_llep.runtime.statistics import budget_phrase, merge_layer_statistic
 
 LOG_PREFIX = "moe/layer_"
-"""Writer keys are ``moe/layer_<n>/<statistic>`` (as recipes/dashboard.py's)."""
+"""Writer keys are ``moe/layer_<n>/<statistic>`` (as recipes/runtime/dashboard.py's)."""
 
 
 def add_llep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -2,7 +2,7 @@
 only where the recipe runs at EP = 1: gpt-oss's expert biases need EP >= 2 with local experts, so
 its import is refused there with that reason).
 
-Import (HF -> a Megatron checkpoint in recipes/checkpointing.py's layout, iteration 0, that
+Import (HF -> a Megatron checkpoint in recipes/runtime/checkpointing.py's layout, iteration 0, that
 ``recipes/finetune.py --load OUT`` resumes from with the same recipe, layout and --seq-length)::
 
     python -m torch.distributed.run --nproc_per_node 8 -m recipes.hf import --hf /models/gpt-oss-20b \\
@@ -16,7 +16,7 @@ experts in their original order even if the run used a CAP placement)::
 
 A model imported from a quantized checkpoint (config.json's ``quantization_config``: gpt-oss's MXFP4
 experts, DeepSeek-V3's block FP8) is exported in that precision, with the same tensor names and
-quantization_config, each block under the scale that errs least (recipes/hf/quant.py):
+quantization_config, each block under the scale that errs least (recipes/hf/quantization.py):
 ``--quant-source DIR`` (the checkpoint imported) lends its block scales, so every block training
 left unchanged comes out bit for bit as it went in, and its shard layout (each tensor in the shard
 file its index names; ``--max-shard-size-gib`` applies without it); ``--fresh-scales`` chooses among
@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from recipes.entry_point import (EntryPoint, RankZeroArgumentParser, check_numeric_domains, check_writable_directories,
+from recipes.runtime.entry_point import (EntryPoint, RankZeroArgumentParser, check_numeric_domains, check_writable_directories,
                                   launch_rank)
 
 ENTRY = EntryPoint("recipes.hf")  # its lines: "[recipes.hf] ...", errors once per job from rank 0
@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
 def _single_process_env() -> None:
     """Run as one process when started by neither torchrun nor srun (whose variables give RANK and
     WORLD_SIZE: the import checks its layout before any process group starts)."""
-    from recipes.launch_env import rendezvous_env_from_slurm
+    from recipes.runtime.launch_env import rendezvous_env_from_slurm
 
     try:
         rendezvous_env_from_slurm()
@@ -128,31 +128,31 @@ def run_import(args: argparse.Namespace, rest: list[str]) -> str:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from recipes import checkpointing, finetune, model_building
+    from recipes.runtime import checkpointing, finetuning, model_building
 
-    fargs = finetune.parse_args(["--recipe", args.recipe, "--hf-checkpoint", args.hf, "--save", args.out,
+    fargs = finetuning.parse_args(["--recipe", args.recipe, "--hf-checkpoint", args.hf, "--save", args.out,
                                  *(["--hf-drop-mtp"] if args.hf_drop_mtp else []), *rest])
     # config.json and the layout before any process group starts: every rank finds a bad one alike,
     # rank 0 reports it and the others wait for the launcher to end them
     try:
         hf_config, layout = model_building.layout_for(fargs, _launch_world_size(),
                                                       torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    except finetune.ConfigError as err:
+    except model_building.ConfigError as err:
         ENTRY.fail(err, launch_rank())
-    rank, world, device = finetune.init_distributed()
+    rank, world, device = ENTRY.init_distributed()
     ENTRY.lock_save_directory(args.out, rank, "--out")  # one run per save directory, as in fine-tuning
     parallel_state.initialize_model_parallel(layout["tp"], layout["pp"], expert_model_parallel_size=layout["ep"],
                                              expert_tensor_parallel_size=1)
     torch.manual_seed(fargs.seed)
     model_parallel_cuda_manual_seed(fargs.seed)
     try:
-        recipe, model, optimizer, scheduler = finetune.build(fargs, layout, device, 0, None, hf_config,
+        recipe, model, optimizer, scheduler = finetuning.build(fargs, layout, device, 0, None, hf_config,
                                                              import_hf=args.hf)
-    except finetune.ConfigError as err:
+    except model_building.ConfigError as err:
         ENTRY.fail(err, rank)
     # the distributed optimizer's sharded state needs Adam's (zero) state entries before any step
     checkpointing._create_empty_adam_state(optimizer)
-    run_info = finetune.run_info_for(fargs, layout, world, hf_config)
+    run_info = finetuning.run_info_for(fargs, layout, world, hf_config)
     try:
         directory = checkpointing.save_checkpoint(args.out, model, optimizer, scheduler,
                                                   checkpointing.TrainingProgress(), run_info)
@@ -187,11 +187,11 @@ def exported_config(source: Optional[dict], generated: dict, quantized: bool = F
 
 def export_quantizer(args: argparse.Namespace, hf_config: Optional[dict], family,
                      device: Optional[torch.device] = None):
-    """The :class:`recipes.hf.quant.ExportQuantizer` (quantizing on ``device``) for an export in
+    """The :class:`recipes.hf.quantization.ExportQuantizer` (quantizing on ``device``) for an export in
     the source's precision, or None for plain weights; ValueError (one line naming the flag) where
     the flags and the checkpoint disagree."""
     from recipes.hf.checkpoint import HFCheckpoint
-    from recipes.hf.quant import ExportQuantizer
+    from recipes.hf.quantization import ExportQuantizer
 
     quant = (hf_config or {}).get("quantization_config")
     if not quant:
@@ -225,8 +225,8 @@ def quantization_logits(model, family, hf_config: dict, quantizer, device: torch
     token ids, ``LOGIT_CHECK_PROMPTS``): the second with every weight replaced by what the
     checkpoint exported with ``quantizer`` and ``dtype`` loads, in place (call it after the
     export). Collective; PP = 1."""
-    from recipes.hf.convert import quantize_parameters_in_place
-    from recipes.logits import lm_logits
+    from recipes.hf.exporting import quantize_parameters_in_place
+    from recipes.runtime.logits import lm_logits
 
     gen = torch.Generator().manual_seed(LOGIT_CHECK_SEED)
     ids = torch.randint(0, int(hf_config["vocab_size"]), LOGIT_CHECK_PROMPTS, generator=gen).to(device)
@@ -277,15 +277,16 @@ def run_export(args: argparse.Namespace) -> str:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_llep.placement import read_checkpoint_placement
-    from recipes import checkpointing, finetune
-    from recipes.model_building import check_vocabulary_split
-    from recipes.hf.convert import ConversionError, export_hf_checkpoint, family_key, family_module
-    from recipes.hf.quant import error_report
+    from recipes.runtime import checkpointing, model_building
+    from recipes.runtime.model_building import check_vocabulary_split
+    from recipes.hf.exporting import export_hf_checkpoint
+    from recipes.hf.rules import ConversionError, family_key, family_module
+    from recipes.hf.quantization import error_report
 
-    rank, world, device = finetune.init_distributed()
+    rank, world, device = ENTRY.init_distributed()
     try:
         directory = checkpointing.resolve_checkpoint(args.load)
-        run_info = finetune.saved_run_info(directory)
+        run_info = model_building.saved_run_info(directory)
         recipe_name = args.recipe or run_info.get("recipe")
         if recipe_name is None:
             raise ValueError(f"{directory} records no recipe: pass --recipe")
@@ -302,7 +303,7 @@ def run_export(args: argparse.Namespace) -> str:
         fargs = argparse.Namespace(recipe=recipe_name, hf_checkpoint=args.hf_config, load=args.load,
                                    hf_config_source=args.hf_config and f"--hf-config {args.hf_config}")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        recipe = finetune.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
+        recipe = model_building.make_recipe(fargs, hf_config, ep_size=ep, tp_size=tp, pp_size=pp, dtype=dtype,
                                       cpu=device.type == "cpu")
         check_vocabulary_split(recipe, tp, hf_config is not None)
         quantizer = export_quantizer(args, hf_config, family, device=device if device.type == "cuda" else None)
@@ -373,7 +374,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.command == "export" and not os.path.isdir(args.load):
         parser.error(f"--load: {args.load} is not a directory")
     check_writable_directories(parser, [(args.out, "--out")])  # import: its save directory, export: the HF files
-    from recipes.cpu_warnings import quiet_known_cpu_warnings
+    from recipes.runtime.cpu_warnings import quiet_known_cpu_warnings
 
     quiet_known_cpu_warnings()  # before the first Megatron-Core import
     _single_process_env()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -310,10 +310,6 @@ class HFCheckpointWriter:
             self._flush()
         self._pending[name] = tensor
         self._pending_bytes += size
-
-    def add_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in tensors:
-            self.add(name, tensor)
 
     def _write(self, shard: str, tensors: dict[str, torch.Tensor]) -> None:
         """One shard, staged (its final name may come only at :meth:`close`); an :class:`OutputError`

@@ -92,8 +92,8 @@ def precheck_args(args: argparse.Namespace) -> None:
 
 def finetune_checkpoint(path: str) -> Optional[str]:
     """The checkpoint of recipes/finetune.py at ``path`` (one checkpoint, or a save directory holding
-    one in an ``iter_*`` directory), told by the manifest recipes/checkpointing.py writes; None if none."""
-    from recipes.checkpointing import MANIFEST_FILE
+    one in an ``iter_*`` directory), told by the manifest recipes/runtime/checkpointing.py writes; None if none."""
+    from recipes.runtime.checkpointing import MANIFEST_FILE
 
     if not os.path.isdir(path):
         return None
@@ -114,13 +114,13 @@ def check_load(args: argparse.Namespace) -> None:
 
 
 def checkpoint_bytes(args: argparse.Namespace, vocab_size: int) -> tuple[int, int]:
-    """The parameter count of the model the arguments describe (recipes/memory.py's count) and a lower
+    """The parameter count of the model the arguments describe (recipes/runtime/memory.py's count) and a lower
     bound on the size of one checkpoint of it: the weights in their training dtype, and unless
     ``--no-save-optim`` the optimizer state (Adam's two fp32 moments, SGD's one, plus fp32 master
     weights under bf16/fp16). Megatron-LM's files add metadata and padding on top."""
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from recipes.memory import stage_parameters
+    from recipes.runtime.memory import stage_parameters
 
     model = SimpleNamespace(config=core_transformer_config_from_args(args), vocab_size=vocab_size,
                             position_embedding_type=args.position_embedding_type,

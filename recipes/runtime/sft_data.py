@@ -48,7 +48,7 @@ from typing import Iterator, Optional, Protocol
 
 import numpy as np
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # recipes/data
 DEFAULT_DATA = os.path.join(DATA_DIR, "tiny_sft.jsonl")
 DEFAULT_TOKENIZER = os.path.join(DATA_DIR, "byte_tokenizer.json")
 

@@ -17,7 +17,7 @@ import os
 
 from megatron_llep.placement.trace import RoutingTrace
 
-TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "routing_traces")
+TRACE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "routing_traces")
 MANIFEST_FILE = "manifest.json"
 
 

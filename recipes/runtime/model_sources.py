@@ -12,7 +12,7 @@
   from its config.json; its tokenizer.json is the default ``--tokenizer``.
 * ``--random-init``: ``--recipe`` at its random initial weights (``--seed``): smoke tests and demos.
 
-Every path builds the model with :func:`recipes.model_building.build_model` (LLEP unless
+Every path builds the model with :func:`recipes.runtime.model_building.build_model` (LLEP unless
 ``--no-llep``; routing pruned with ``--prune-p``), without DDP or an optimizer, in eval mode.
 """
 
@@ -27,10 +27,10 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_llep.writable import write_text
-from recipes import data as sft_data
-from recipes import model_building
-from recipes.entry_point import EntryPoint, check_existing_files, check_numeric_domains, check_writable_files
-from recipes.model_building import ConfigError
+from recipes.runtime import sft_data
+from recipes.runtime import model_building
+from recipes.runtime.entry_point import EntryPoint, check_existing_files, check_numeric_domains, check_writable_files
+from recipes.runtime.model_building import ConfigError
 
 SOURCE_FLAGS = ("--load", "--pretrained", "--hf-checkpoint", "--random-init")
 NO_SOURCE = ("no model given: pass --load DIR (a fine-tuning checkpoint), --pretrained DIR (a Megatron-LM "
@@ -117,7 +117,7 @@ class ModelSource:
 def open_source(args: argparse.Namespace, entry: EntryPoint, rank: int) -> ModelSource:
     """Find ``--load``'s checkpoint (verified; the recipe and tokenizer of its run become the defaults)
     and settle ``args.tokenizer``. One line and exit 2 on a missing or damaged checkpoint. Collective."""
-    from recipes import checkpointing
+    from recipes.runtime import checkpointing
 
     source = ModelSource()
     if args.load:
@@ -158,7 +158,7 @@ def build(args: argparse.Namespace, source: ModelSource, entry: EntryPoint, rank
     is the longest sequence the run feeds the model; ``vocab_needed`` the ids it feeds. Collective."""
     from megatron_llep.placement import read_checkpoint_placement, same_expert_order
     from megatron_llep.integrations.placement import restore_original_order
-    from recipes import checkpointing
+    from recipes.runtime import checkpointing
 
     try:
         hf_config, layout = model_building.layout_for(args, world, device, source.checkpoint)
@@ -195,7 +195,7 @@ def build(args: argparse.Namespace, source: ModelSource, entry: EntryPoint, rank
 
 def wandb_dashboard(args: argparse.Namespace, entry_name: str, model_name: str, run_info: dict):
     """The wandb run of ``--wandb-project`` (offline unless told; a no-op without the flag; on the last rank)."""
-    from recipes import dashboard
+    from recipes.runtime import dashboard
 
     return dashboard.WandbDashboard(
         project=args.wandb_project, name=args.wandb_exp_name or f"{entry_name}-{model_name}",

@@ -1,7 +1,7 @@
 """The Megatron-Core ``GPTModel`` a run works on, built one way for every entry point: finetune.py
 wraps it in DDP and an optimizer, evaluate.py and generate.py use it as it is.
 
-The model comes from a recipe (``--recipe``, recipes/models.py), with its sizes from a Hugging Face
+The model comes from a recipe (``--recipe``, recipes/models/__init__.py), with its sizes from a Hugging Face
 config.json (``--hf-checkpoint``) or from a Megatron-LM checkpoint's arguments (``--pretrained``);
 every ``MoELayer`` of its layer spec becomes an ``LLEPMoELayer`` (``with_llep``) unless ``--no-llep``
 (with ``--prune-p`` an LLEP layer that dispatches as plain EP, to prune);
@@ -23,8 +23,8 @@ import torch
 from megatron_llep.config import PRUNING_METHODS, LLEPConfig, LLEPConfigError, RoutingPruning
 from megatron_llep.integrations.flags import (add_llep_flags, ignored_tuning_note, llep_config_from_flags,
                                               tuning_flags_given)
-from recipes import watchdog
-from recipes.entry_point import EntryPoint, check_existing_files, check_writable_directories, utf8_text
+from recipes.runtime import watchdog
+from recipes.runtime.entry_point import EntryPoint, check_existing_files, check_writable_directories, utf8_text
 from recipes.models import RECIPES
 
 # the RoutingPruning field each pruning flag sets (its validation messages name the flag)
@@ -151,7 +151,7 @@ def check_model_arguments(parser: argparse.ArgumentParser, args: argparse.Namesp
     if args.hf_checkpoint is not None:
         if not os.path.isdir(args.hf_checkpoint):
             parser.error(f"--hf-checkpoint: {args.hf_checkpoint} is not a directory")
-        from recipes.hf.convert import ConversionError, family_key
+        from recipes.hf.rules import ConversionError, family_key
 
         try:
             family_key(args.recipe)
@@ -207,8 +207,8 @@ def pruning_result(args: argparse.Namespace) -> Optional[dict]:
 
 def moe_summary(args: argparse.Namespace, metrics: dict[str, float]) -> str:
     """The MoE phrase of an inference run's last log line: LLEP's statistics (or "plain EP") and,
-    with ``--prune-p``, what pruning dropped and saved (:func:`recipes.dashboard.pruning_summary`)."""
-    from recipes import dashboard
+    with ``--prune-p``, what pruning dropped and saved (:func:`recipes.runtime.dashboard.pruning_summary`)."""
+    from recipes.runtime import dashboard
 
     pruning = dashboard.pruning_summary(metrics, pruning_settings(args), args.llep_ranks_per_node)
     return " | ".join(filter(None, (dashboard.llep_summary(metrics), pruning)))
@@ -251,7 +251,7 @@ def hf_config_for(args: argparse.Namespace, checkpoint: Optional[str] = None) ->
 def without_mtp(hf_config: dict) -> dict:
     """``--hf-drop-mtp``: the config.json the model is built from (and that the checkpoint records,
     so resuming and exporting agree) says no MTP layers; the checkpoint's MTP tensors, if any, are
-    ignored on import (recipes/hf/deepseek_v3.py ignore_hf reads the checkpoint's own config.json)."""
+    ignored on import (recipes/hf/tables/deepseek_v3.py ignore_hf reads the checkpoint's own config.json)."""
     if not hf_config.get("num_nextn_predict_layers"):
         return hf_config
     return {**hf_config, "num_nextn_predict_layers": 0}
@@ -260,7 +260,7 @@ def without_mtp(hf_config: dict) -> dict:
 def saved_run_info(directory: str) -> dict:
     """The ``run_info`` the fine-tuning checkpoint ``directory`` records (:class:`ConfigError` naming
     the checkpoint where it cannot be read or is none of this project's)."""
-    from recipes import checkpointing
+    from recipes.runtime import checkpointing
 
     try:
         return checkpointing.read_run_state(directory)["run_info"]
@@ -272,7 +272,7 @@ def megatron_lm_arguments_for(args: argparse.Namespace, checkpoint: Optional[str
     """The Megatron-LM arguments the model is rebuilt from: the ones recorded in the fine-tuning
     ``checkpoint`` of a run that started from ``--pretrained``, else ``--pretrained``'s (None: not such
     a model)."""
-    from recipes import pretrained
+    from recipes.runtime import pretrained
 
     if checkpoint:
         saved = saved_run_info(checkpoint).get("megatron_lm_args")
@@ -290,7 +290,7 @@ def make_recipe(args: argparse.Namespace, hf_config: Optional[dict] = None, **kw
     from ``hf_config`` when given (``recipe_from_hf_config`` of the recipe's family), or the model
     of a Megatron-LM checkpoint (``args.megatron_lm_args``, from :func:`megatron_lm_arguments_for`)."""
     if getattr(args, "megatron_lm_args", None) is not None:
-        from recipes import pretrained
+        from recipes.runtime import pretrained
 
         try:
             return pretrained.recipe_from_arguments(args.megatron_lm_args, source=args.pretrained, **kwargs)
@@ -298,7 +298,7 @@ def make_recipe(args: argparse.Namespace, hf_config: Optional[dict] = None, **kw
             raise ConfigError(str(err)) from None
     if hf_config is None:
         return RECIPES[args.recipe](**kwargs)
-    from recipes.hf.convert import family_module
+    from recipes.hf.rules import family_module
 
     family = family_module(args.recipe)
     fixed = getattr(family, "FIXED_SIZE_RECIPES", None)
@@ -447,7 +447,8 @@ def apply_placement(model: torch.nn.Module, placement, source: str, say: Callabl
 
 
 def _import_hf(directory: str, model, recipe_name: str, say: Callable[[str], None]) -> None:
-    from recipes.hf.convert import ConversionError, import_hf_checkpoint
+    from recipes.hf.importing import import_hf_checkpoint
+    from recipes.hf.rules import ConversionError
 
     try:
         report = import_hf_checkpoint([model], directory, recipe_name)
@@ -460,7 +461,7 @@ def _import_hf(directory: str, model, recipe_name: str, say: Callable[[str], Non
 
 
 def _import_pretrained(path: str, model, say: Callable[[str], None]) -> None:
-    from recipes import pretrained
+    from recipes.runtime import pretrained
 
     start = time.perf_counter()
     try:
@@ -485,7 +486,6 @@ def load_placement(path: str):
         return ExpertPlacement.load(path)
     except (ValueError, KeyError) as err:
         raise ConfigError(f"--llep-placement {path}: {err}") from None
-
 
 
 def layout_for(args: argparse.Namespace, world: int, device: torch.device,
@@ -538,7 +538,7 @@ def start_routing_trace(model: torch.nn.Module, args: argparse.Namespace, rank: 
 def save_routing_trace(recorder, args: argparse.Namespace, rank: int, ep_size: int, entry: EntryPoint) -> None:
     """Write this rank's trace to ``--record-routing-trace``/trace_rank<r>.npz (nothing without a
     recorder; a write that fails on any rank ends the run in one line: ``entry``'s
-    :meth:`~recipes.entry_point.EntryPoint.write_or_fail`) and say how to plan a placement from the
+    :meth:`~recipes.runtime.entry_point.EntryPoint.write_or_fail`) and say how to plan a placement from the
     traces. Collective."""
     if recorder is None:
         return

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
-from recipes import parent_death
+from recipes.runtime import parent_death
 
 EXIT_CODE = 124
 """Exit status of a rank ended by the watchdog (as ``timeout(1)``)."""

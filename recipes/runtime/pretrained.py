@@ -64,7 +64,7 @@ def _megatron_lm_problem() -> Optional[str]:
 
 def saved_arguments(path: str) -> argparse.Namespace:
     """The Megatron-LM command line recorded in the checkpoint at ``path`` (save root or ``iter_*``)."""
-    from recipes.checkpointing import CheckpointError, read_common_state
+    from recipes.runtime.checkpointing import CheckpointError, read_common_state
 
     problem = _megatron_lm_problem()
     if problem:
@@ -112,7 +112,7 @@ def recipe_from_arguments(saved: argparse.Namespace, ep_size: int = 1, tp_size: 
     args = copy.copy(saved)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp_size, pp_size
     args.expert_model_parallel_size, args.expert_tensor_parallel_size = ep_size, 1
-    args.sequence_parallel = tp_size > 1 and not cpu  # as recipes/models.py: torch norms (CPU) refuse it
+    args.sequence_parallel = tp_size > 1 and not cpu  # as recipes/models/__init__.py: torch norms (CPU) refuse it
     args.params_dtype = dtype
     args.bf16, args.fp16 = dtype == torch.bfloat16, False
     args.use_cpu_initialization = cpu
@@ -148,4 +148,3 @@ def load_weights(model: torch.nn.Module, path: str) -> str:
     if missing or unexpected:
         raise PretrainedError(f"--pretrained {directory}: weights missing {missing[:3]} / unexpected {unexpected[:3]}")
     return directory
-

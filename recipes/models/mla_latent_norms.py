@@ -20,7 +20,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from megatron_llep.compat.local_mla_attention import for_each_mla_spec
+from recipes.models.local_mla_attention import for_each_mla_spec
 
 # DeepSeek-V3 / transformers' DeepseekV3RMSNorm default, used by q_a_layernorm and kv_a_layernorm
 DEEPSEEK_LATENT_NORM_EPS = 1e-6

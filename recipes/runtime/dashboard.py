@@ -189,7 +189,6 @@ def llep_summary(metrics: dict[str, float]) -> str:
             + (f", {budget}" if budget else ""))
 
 
-
 def pruning_summary(metrics: dict[str, float], pruning: Optional[Any] = None,
                     ranks_per_node: Optional[int] = None) -> str:
     """The routing-pruning statistics of :func:`gather_moe_metrics`' metrics in one phrase for a log

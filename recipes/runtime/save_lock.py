@@ -114,7 +114,7 @@ def _read(path: str, where: str) -> Optional[dict]:
         return None
     except OSError as err:
         raise SaveDirectoryInUse(f"{where}: cannot read its lock {path} ({err.strerror})") from None
-    from recipes.data import json_type
+    from recipes.runtime.sft_data import json_type
 
     try:
         holder = json.loads(text)

@@ -2,7 +2,7 @@
 the recipe built from a ``config.json``.
 
 Hugging Face layout (what ``save_pretrained`` writes; the release stores the expert weights as MXFP4
-``*_blocks``/``*_scales`` instead, dequantized here with :mod:`recipes.hf.quant`):
+``*_blocks``/``*_scales`` instead, dequantized here with :mod:`recipes.hf.quantization`):
 
 - ``mlp.experts.gate_up_proj`` ``[E, D, 2H]``, columns INTERLEAVED: even = glu (gate), odd = linear
   (up); ``gate_up_proj_bias`` ``[E, 2H]`` likewise. Megatron's ``linear_fc1`` is ``[2H, D]`` with the
@@ -11,7 +11,7 @@ Hugging Face layout (what ``save_pretrained`` writes; the release stores the exp
 - ``self_attn.sinks`` ``[heads]`` = Megatron's learnable ``softmax_offset``; q/k/v/o with biases;
   ``mlp.router`` weight and bias.
 
-Export writes the experts back as MXFP4 (``QUANTIZED_HF``, :class:`recipes.hf.quant.ExportQuantizer`)
+Export writes the experts back as MXFP4 (``QUANTIZED_HF``, :class:`recipes.hf.quantization.ExportQuantizer`)
 when the source checkpoint was quantized, bf16 on request.
 
 The mapping agrees with Megatron-Bridge's ``GPTOSSBridge`` (src/megatron/bridge/models/gpt_oss/
@@ -26,8 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from recipes.hf.convert import (Context, ConversionError, Reader, Rule, Transform, architectures_problem,
-                                register_transform)
+from recipes.hf.rules import architectures_problem, Context, ConversionError, Reader, register_transform, Rule, Transform
 
 L = "model.layers.{layer}"
 M = "decoder.layers.{layer}"
@@ -61,7 +60,7 @@ MAPPING = [
 
 IGNORE_HF: tuple[str, ...] = ()
 
-# the release's precision, for export (recipes.hf.quant.ExportQuantizer): (HF name regex, format,
+# the release's precision, for export (recipes.hf.quantization.ExportQuantizer): (HF name regex, format,
 # error-report group). The release stores both fused expert weights as MXFP4 of their [E, out, in]
 # transpose (``*_blocks`` / ``*_scales``); everything else is bf16.
 QUANTIZED_HF: tuple[tuple[str, str, str], ...] = (
@@ -89,7 +88,7 @@ def _expert_weight(read: Reader, name: str, ctx: Context) -> torch.Tensor:
                                   "quantization_config from config.json (a dequantized copy) or give the MXFP4 checkpoint")
         return read(name)
     if read.has(blocks) and read.has(scales):
-        from recipes.hf.quant import gpt_oss_expert_weight_from_mxfp4
+        from recipes.hf.quantization import gpt_oss_expert_weight_from_mxfp4
 
         block_shape, scale_shape = read.ckpt.shape(blocks), read.ckpt.shape(scales)
         if scale_shape != block_shape[:-1]:
@@ -302,12 +301,6 @@ def hf_architecture(hf: dict, layers: int) -> dict:
     if hf.get("tie_word_embeddings", False):
         raise ConversionError("config.json: tie_word_embeddings = true, but gpt-oss has a separate lm_head")
     return arch
-
-
-def sizes_and_architecture(hf: dict) -> tuple[dict, dict]:
-    """``(sizes, architecture)`` for :func:`recipes.models.gpt_oss` from a gpt-oss config.json."""
-    sizes = hf_sizes(hf)
-    return sizes, hf_architecture(hf, sizes["num_layers"])
 
 
 # the config.json field behind each recipe key (for error messages)

@@ -42,12 +42,12 @@ from megatron_llep.compat import mcore
 from megatron_llep.placement import (ExpertPlacement, read_checkpoint_placement, same_expert_order,
                                      write_checkpoint_placement)
 from megatron_llep.writable import fsync_directory, readable_bytes, write_text
-from recipes import parent_death, watchdog
+from recipes.runtime import parent_death, watchdog
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "checkpoint_manifest.json"
 MANIFEST_FORMAT = "megatron-llep checkpoint manifest 1"
-_NO_MANIFEST = f"no {MANIFEST_FILE} (a save that did not finish, or not written by recipes/checkpointing.py)"
+_NO_MANIFEST = f"no {MANIFEST_FILE} (a save that did not finish, or not written by recipes/runtime/checkpointing.py)"
 # torch.distributed.checkpoint's global metadata, written last by its coordinator: a manifest-less
 # checkpoint from before manifests existed is accepted only with it
 LEGACY_COMPLETE_MARK = ".metadata"
@@ -450,7 +450,7 @@ def save_checkpoint(
     def stage() -> None:
         if rank == 0:
             os.makedirs(root, exist_ok=True)
-            for name in os.listdir(root):  # failed or killed saves' (one run per --save: recipes/save_lock.py)
+            for name in os.listdir(root):  # failed or killed saves' (one run per --save: recipes/runtime/save_lock.py)
                 if _STAGING_DIR.fullmatch(name):
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             os.makedirs(staging)
@@ -610,7 +610,6 @@ def load_checkpoint(
     if same_world:
         _set_rng_state(loaded["rng_state"])
     return TrainingProgress(iteration=int(common["iteration"]), consumed_samples=int(common["consumed_samples"]))
-
 
 
 def tensor_mismatch(state: dict[str, Any], directory: str) -> Optional[str]:

@@ -6,7 +6,7 @@ end in one line, not a traceback, when another rank died (:meth:`EntryPoint.endi
 signal stopped the run (:meth:`EntryPoint.stopped_by`; Ctrl-C ends a rank as SIGTERM does where the run
 has no handler of its own) or when an output could not be written (:meth:`EntryPoint.write_or_fail`:
 megatron_llep/writable.py writes every output whole or leaves the previous one). A rank started by
-torchrun stops (SIGTERM) when torchrun dies (recipes/parent_death.py).
+torchrun stops (SIGTERM) when torchrun dies (recipes/runtime/parent_death.py).
 
 Every line an entry point prints starts with its name (``[finetune] ...``, ``[evaluate] error: ...``):
 :class:`EntryPoint` holds it.
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_llep.writable import OutputError, directory_problem, file_problem
-from recipes import parent_death
+from recipes.runtime import parent_death
 
 # seconds a rank other than 0 waits, after finding a usage error, for the launcher to end it once rank 0
 # (which finds the same error) has reported it; then it reports the error itself
@@ -129,7 +129,7 @@ class EntryPoint:
     def progress(self, rank: int, message: str) -> None:
         """A line before a long phase (rank 0), so that a quiet minute is never a mystery; the phase is
         also the watchdog's (every rank)."""
-        from recipes import watchdog
+        from recipes.runtime import watchdog
 
         watchdog.progress(message)
         if rank == 0:
@@ -138,7 +138,7 @@ class EntryPoint:
     def fail(self, err: Exception, rank: int, status: int = 2) -> NoReturn:
         """An error found on every rank alike: one message (rank 0's), no traceback, exit ``status``
         (2: bad input; 1: a run that failed, e.g. a save on a full disk)."""
-        from recipes import watchdog
+        from recipes.runtime import watchdog
 
         del rank  # every rank finds it; rank 0 reports it and the launcher ends the others
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's SIGTERM ends us, whatever the run set
@@ -152,7 +152,7 @@ class EntryPoint:
     def init_distributed(self, timeout: Optional[datetime.timedelta] = None) -> tuple[int, int, torch.device]:
         """Process group from torchrun's (or slurm's) environment: NCCL on GPUs, gloo + the CPU
         compatibility layer on CPU. ``timeout``: how long a collective may wait (None: torch's default)."""
-        from recipes.launch_env import rendezvous_env_from_slurm
+        from recipes.runtime.launch_env import rendezvous_env_from_slurm
 
         interrupt_like_terminate()
         try:
@@ -180,7 +180,7 @@ class EntryPoint:
         """The process group and, unless ``watchdog_timeout`` is 0, the watchdog (None: its default for
         this machine, 60 s on CPU and 600 s on GPU); collectives time out a little after its longest
         allowance. See :meth:`watch`."""
-        from recipes import watchdog
+        from recipes.runtime import watchdog
 
         timeout = watchdog_timeout
         if timeout is None:
@@ -192,8 +192,8 @@ class EntryPoint:
     def watch(self, watchdog_timeout: float, rank: int, world: int) -> None:
         """This rank's supervision where something else starts the process group (Megatron-LM): it
         stops with torchrun, and unless ``watchdog_timeout`` is 0 a watchdog thread ends it when it
-        makes no progress. Start-up is a long phase until the first :func:`recipes.watchdog.progress`."""
-        from recipes import watchdog
+        makes no progress. Start-up is a long phase until the first :func:`recipes.runtime.watchdog.progress`."""
+        from recipes.runtime import watchdog
 
         interrupt_like_terminate()
         parent_death.follow_launcher()
@@ -204,12 +204,12 @@ class EntryPoint:
     def ending_cleanly(self) -> Iterator[None]:
         """Around an entry point's work: an error caused by a rank that died (its collective's peer is
         gone) ends this rank with one line for the job naming that rank, exit status
-        :data:`recipes.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback
-        (:func:`recipes.watchdog.end_after_lost_peer`); an LLEP row budget
+        :data:`recipes.runtime.watchdog.LOST_PEER_EXIT_CODE`, instead of gloo's traceback
+        (:func:`recipes.runtime.watchdog.end_after_lost_peer`); an LLEP row budget
         no plan can meet (``--llep-max-tokens-per-rank``) is a usage error (one line, exit 2); this
         rank's other errors pass through."""
         from megatron_llep.planning import InfeasibleBudgetError
-        from recipes import watchdog
+        from recipes.runtime import watchdog
 
         try:
             yield
@@ -237,10 +237,10 @@ class EntryPoint:
         raise SystemExit(128 + signum)
 
     def lock_save_directory(self, directory: str, rank: int, flag: str = "--save") -> None:
-        """One run per save directory (recipes/save_lock.py): rank 0 takes ``directory``'s lock and
+        """One run per save directory (recipes/runtime/save_lock.py): rank 0 takes ``directory``'s lock and
         every rank learns whether it could; when another run holds it, one line and exit status 2
         (1 when the lock cannot be written). Collective."""
-        from recipes import save_lock
+        from recipes.runtime import save_lock
 
         problem: list[Optional[tuple[str, int]]] = [None]
         if rank == 0:
@@ -272,7 +272,7 @@ class EntryPoint:
         """End a run that went well: the watchdog, Megatron's process groups and the process group."""
         from megatron.core import parallel_state
 
-        from recipes import watchdog
+        from recipes.runtime import watchdog
 
         watchdog.stop()
         parallel_state.destroy_model_parallel()

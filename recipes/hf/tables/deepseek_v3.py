@@ -1,7 +1,7 @@
 """DeepSeek-V3 <-> Megatron-Core: the conversion table, its transforms and the config translation.
 
 Hugging Face layout (the released ``deepseek-ai/DeepSeek-V3`` and transformers'
-``DeepseekV3ForCausalLM``) -> Megatron-Core (``recipes/models.py`` ``deepseek_v3``):
+``DeepseekV3ForCausalLM``) -> Megatron-Core (``recipes/models/__init__.py`` ``deepseek_v3``):
 
 * MLA: ``q_a_proj`` -> ``linear_q_down_proj``, ``q_a_layernorm`` -> ``q_layernorm``, ``q_b_proj`` ->
   ``linear_q_up_proj`` (``q_proj`` -> ``linear_q_proj`` without a query LoRA), ``kv_a_proj_with_mqa``
@@ -25,7 +25,7 @@ Hugging Face layout (the released ``deepseek-ai/DeepSeek-V3`` and transformers'
   (shared in Megatron): ignored on import, written again on export.
 * FP8: a weight stored as float8 e4m3 with a ``weight_scale_inv`` beside it (the release: 128 x 128
   blocks, ``quantization_config.weight_block_size``) is dequantized on import
-  (``recipes.hf.quant.dequantize_fp8_blockwise``); export writes them back as FP8 (``QUANTIZED_HF``)
+  (``recipes.hf.quantization.dequantize_fp8_blockwise``); export writes them back as FP8 (``QUANTIZED_HF``)
   when the source checkpoint was quantized, plain bf16 on request.
 
 :func:`recipe_from_hf_config` builds the Megatron recipe from a ``config.json`` and
@@ -40,8 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from recipes.hf.convert import (Context, ConversionError, Reader, Rule, Transform, architectures_problem,
-                                register_transform)
+from recipes.hf.rules import architectures_problem, Context, ConversionError, Reader, register_transform, Rule, Transform
 
 # ---------------------------------------------------------------------------------------------
 # the table
@@ -109,7 +108,7 @@ PLACEHOLDERS = {"mtp_layer": lambda groups, hf_config: int(hf_config["num_hidden
 IGNORE_HF = (r"^model\.layers\.\d+\.embed_tokens\.weight$", r"^model\.layers\.\d+\.shared_head\.head\.weight$",
              r"\.rotary_emb\.inv_freq$")
 
-# the release's precision, for export (recipes.hf.quant.ExportQuantizer): (HF name regex, format,
+# the release's precision, for export (recipes.hf.quantization.ExportQuantizer): (HF name regex, format,
 # error-report group). Every linear weight of a layer (attention, dense MLP, experts, shared
 # experts, the MTP layer's eh_proj) is e4m3 in blocks of quantization_config.weight_block_size with
 # a float32 ``weight_scale_inv``; embeddings, norms, the router and lm_head stay bf16/fp32.
@@ -156,7 +155,7 @@ def read_weight(read: Reader, name: str, ctx: Context) -> torch.Tensor:
     weight = read(name)
     scale_name = name + SCALE_SUFFIX
     if read.has(scale_name):
-        from recipes.hf.quant import dequantize_fp8_blockwise
+        from recipes.hf.quantization import dequantize_fp8_blockwise
 
         dtype = ctx.dtype if ctx.dtype is not None and ctx.dtype.is_floating_point else torch.float32
         try:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron_llep.compat.local_mla_attention import use_local_mla_attention
-from megatron_llep.compat.mla_latent_norms import DEEPSEEK_LATENT_NORM_EPS, exact_mla_latent_norms
+from recipes.models.local_mla_attention import use_local_mla_attention
+from recipes.models.mla_latent_norms import DEEPSEEK_LATENT_NORM_EPS, exact_mla_latent_norms
 
 try:  # Transformer Engine is an optional GPU extra
     import transformer_engine  # noqa: F401
@@ -56,9 +56,9 @@ class Recipe:
     rotary_base: float
     share_embeddings_and_output_weights: bool = False
     notes: list[str] = field(default_factory=list)
-    # MLA as DeepSeek builds it (megatron_llep/compat/mla_latent_norms.py): the q/kv latent norms' eps
+    # MLA as DeepSeek builds it (recipes/models/mla_latent_norms.py): the q/kv latent norms' eps
     # (1e-6 whatever layernorm_epsilon) and no query norm without a query LoRA; None: Megatron-Core's
-    # own MLA spec (e.g. a Megatron-LM checkpoint's model, recipes/pretrained.py)
+    # own MLA spec (e.g. a Megatron-LM checkpoint's model, recipes/runtime/pretrained.py)
     mla_latent_norm_eps: Optional[float] = None
 
     def _mla(self, spec, use_te: bool):
@@ -127,7 +127,7 @@ def _parallel_and_precision(ep_size: int, tp_size: int, pp_size: int, dtype: tor
 
 
 # gpt-oss sizes per variant; ``gpt_oss(sizes=...)`` takes the same keys (e.g. from a Hugging Face
-# config.json, recipes/hf/gpt_oss.py).
+# config.json, recipes/hf/tables/gpt_oss.py).
 GPT_OSS_SIZES: dict[str, dict] = {
     "20b": dict(num_layers=24, num_moe_experts=32, hidden_size=2880, moe_ffn_hidden_size=2880,
                 num_attention_heads=64, num_query_groups=8, kv_channels=64, vocab_size=201088,
@@ -178,7 +178,7 @@ def gpt_oss(
 
     ``sizes`` / ``architecture`` override entries of :data:`GPT_OSS_SIZES` [variant] /
     :data:`GPT_OSS_ARCHITECTURE` (any gpt-oss-architecture model, e.g. from a Hugging Face
-    config.json: :func:`recipes.hf.gpt_oss.recipe_from_hf_config`); ``name`` names the recipe.
+    config.json: :func:`recipes.hf.tables.gpt_oss.recipe_from_hf_config`); ``name`` names the recipe.
 
     Every path computes gpt-oss's expert function: bias-activation fusion is off (see
     :func:`check_gpt_oss_expert_math`), on GPU too."""
@@ -249,7 +249,7 @@ def gpt_oss(
 
 
 # DeepSeek-V3 sizes per variant; ``deepseek_v3(sizes=...)`` takes the same keys (e.g. from a Hugging
-# Face config.json, recipes/hf/deepseek_v3.py). ``dense_layers``: the first k layers have a dense MLP.
+# Face config.json, recipes/hf/tables/deepseek_v3.py). ``dense_layers``: the first k layers have a dense MLP.
 DEEPSEEK_V3_SIZES: dict[str, dict] = {
     "671b": dict(num_layers=61, dense_layers=3, hidden_size=7168, ffn_hidden_size=18432, moe_ffn_hidden_size=2048,
                  num_moe_experts=256, moe_shared_expert_intermediate_size=2048, num_attention_heads=128,
@@ -311,7 +311,7 @@ def deepseek_v3(
 
     ``sizes`` (every key of ``DEEPSEEK_V3_SIZES["671b"]``) and ``architecture`` (keys of
     ``DEEPSEEK_V3_ARCHITECTURE``, the rest keep DeepSeek-V3's values) build another model of the
-    architecture, named ``deepseek-v3-<variant>`` (recipes/hf/deepseek_v3.py: from a config.json)."""
+    architecture, named ``deepseek-v3-<variant>`` (recipes/hf/tables/deepseek_v3.py: from a config.json)."""
     if sizes is not None:
         missing = sorted(set(DEEPSEEK_V3_SIZES["671b"]) - set(sizes))
         unknown = sorted(set(sizes) - set(DEEPSEEK_V3_SIZES["671b"]))

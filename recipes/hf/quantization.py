@@ -3,7 +3,7 @@
 The published gpt-oss checkpoints store their expert weights as MXFP4 (``*_blocks`` + ``*_scales``)
 and the published DeepSeek-V3 checkpoint stores its linear weights as block-scaled FP8
 (``weight`` + ``weight_scale_inv``). Megatron-Core trains in bf16/fp32, so the importers
-(:mod:`recipes.hf.gpt_oss`, :mod:`recipes.hf.deepseek_v3`) turn them into plain floating-point
+(:mod:`recipes.hf.tables.gpt_oss`, :mod:`recipes.hf.tables.deepseek_v3`) turn them into plain floating-point
 tensors here. Pure torch (no triton, no GPU needed), and bit for bit what transformers loads:
 
 - MXFP4: ``transformers/integrations/mxfp4.py:_convert_moe_packed_tensors`` (called through
@@ -535,7 +535,6 @@ class ExportQuantizer:
             return dequantize_mxfp4(blocks, scales, torch.float32).t()
         weight, scale_inv = quantize_fp8_blockwise(tensor, self.block_size, source)
         return dequantize_fp8_blockwise(weight, scale_inv, self.block_size, torch.float32)
-
 
 
 def error_report(stats: dict[str, QuantStats]) -> list[str]:
