@@ -30,9 +30,9 @@ setup(
         "psutil>=5",  # dist_checkpointing's writer processes need it (and hang without it)
     ],
     extras_require={
-        # matplotlib: tests/test_placement_cli.py's report test imports it through benchmarks/placement_report.py
+        # matplotlib: tests/placement/test_placement_cli.py's report test imports it through benchmarks/placement_report.py
         # transformers: the independent gpt-oss / DeepSeek-V3 implementation the parity tests compare against
-        # accelerate: transformers refuses to load an FP8 checkpoint without it (tests/test_hf_quant_export.py loads
+        # accelerate: transformers refuses to load an FP8 checkpoint without it (tests/hf/test_hf_quant_export.py loads
         # the DeepSeek-V3 FP8 export with FineGrainedFP8Config)
         "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.7", "transformers>=5.0,<6", "accelerate>=1.1"],
         "bench": ["matplotlib>=3.7"],

@@ -1,7 +1,15 @@
+"""The suite's layout: one folder per part of the project it tests (planning, runtime, placement,
+integrations, entry_points, hf, benchmarks, docs, launch), the scripts tests launch on several ranks in
+workers/. Tests import workers and each other's helpers by module name, and benchmarks' ``common``."""
+
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+FOLDERS = [os.path.join(TESTS, name) for name in sorted(os.listdir(TESTS)) if not name.startswith(("_", "."))]
+for path in [folder for folder in FOLDERS if os.path.isdir(folder)] + [os.path.join(ROOT, "benchmarks")]:
+    sys.path.insert(0, path)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -16,7 +16,7 @@ when the source checkpoint was quantized, bf16 on request.
 
 The mapping agrees with Megatron-Bridge's ``GPTOSSBridge`` (src/megatron/bridge/models/gpt_oss/
 gpt_oss_bridge.py: the same HF <-> Megatron names, gate/up de-interleaving, transposed down_proj);
-it was checked here independently against transformers' forward (tests/test_hf_gpt_oss.py).
+it was checked here independently against transformers' forward (tests/hf/test_hf_gpt_oss.py).
 """
 
 from __future__ import annotations
