@@ -1,3 +1,5 @@
+"""Packaging of megatron-llep: the library, the recipes (entry points and what they share) and their extras."""
+
 from setuptools import find_packages, setup
 
 setup(

@@ -147,13 +147,18 @@ def _parse_only(*args):
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_bad_arguments_fail_before_starting():
-    proc = _parse_only("--force-routing", "lots")
-    assert proc.returncode == 2 and "F:H" in proc.stderr
-    proc = _parse_only("--data", "/nonexistent.jsonl")
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = _parse_only("--save-interval", "2")
-    assert proc.returncode == 2 and "needs --save" in proc.stderr
+@pytest.mark.parametrize("argv, said", [(["--force-routing", "lots"], "F:H"),
+                                         (["--data", "/nonexistent.jsonl"], "does not exist"),
+                                         (["--save-interval", "2"], "needs --save")])
+def test_bad_arguments_fail_before_starting(argv, said, capsys):
+    from recipes import finetune
+
+    with pytest.raises(SystemExit) as end:
+        finetune.parse_args(argv)
+    assert end.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_finetune_without_torchrun_says_how_to_launch_it():
     proc = _parse_only()
     assert proc.returncode != 0 and "torchrun" in (proc.stderr + proc.stdout)
 
