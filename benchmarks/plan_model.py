@@ -194,9 +194,7 @@ def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeat
 
 def ep_config(config: LLEPConfig, model: CostModel, ep: int) -> LLEPConfig:
     """``config``'s knobs at EP size ``ep``: ``RANKS_PER_NODE`` ranks per node, ``model``'s costs."""
-    return LLEPConfig(alpha=config.alpha, min_chunk_tokens=config.min_chunk_tokens,
-                      imbalance_threshold=config.imbalance_threshold,
-                      ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
+    return replace(config, ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
 
 
 def ideal_prediction(shape: LayerShape, ep: int, config: LLEPConfig) -> dict:

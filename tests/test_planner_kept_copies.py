@@ -146,7 +146,7 @@ def test_without_held_room_or_relays_plans_are_those_of_before(inputs):
     counts, _, _, config = inputs
     from dataclasses import replace
 
-    config = replace(config, relay_within_node=False)
+    config = replace(config, relay_within_node=False, node_aware_tokens=False)  # neither existed before
     new, old = plan_llep(counts, config, SHAPE), OLD_PLANNER.plan_llep(counts, config, SHAPE)
     assert (new.capacity, new.fallback) == (old.capacity, old.fallback)
     for name in PLAN_ARRAYS:

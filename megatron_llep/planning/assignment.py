@@ -272,16 +272,21 @@ def mark_copies(rows: list[list[int]], copy_rows: list[int], local: int, rules: 
                 rows[i][WAVE] = max(rows[i][WAVE], rows[rows[i][SOURCE_ROW]][WAVE] + 1)
 
 
-def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np.ndarray:
+def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray,
+              ranks_per_node: Optional[int] = None) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
     ``splits`` is ``[8, rows]`` from :func:`split_rows` (slot, expert, destination, tokens, ...): how
     many tokens each destination computes; ``experts[slot]`` is the slot's expert. Returns
     ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own
-    routed tokens; the rest of every slot's supply is matched to the rest of its demand in rank
-    order (north-west corner) — all slots at once, since the running sums of supply and demand
-    meet at every slot boundary. Ranks are numbered node by node, so this keeps traffic inside
-    nodes where it can.
+    routed tokens; with ``ranks_per_node`` below the EP size, then tokens routed inside its node
+    (per slot and node, as much as the node's supply and demand match, shared among the node's
+    sources and destinations in proportion to what each has left, so what must cross is spread over
+    the node's ranks rather than piled on the last ones); the rest of every slot's
+    supply is matched to the rest of its demand in rank order (north-west corner) — all slots at
+    once, since the running sums of supply and demand meet at every slot (and slot-node)
+    boundary. So no more of a slot's tokens cross nodes than its demand outside each node exceeds
+    that node's supply.
     """
     slot, split_expert, split_dst, split_tokens = splits[SLOT:WAVE]
     ep = counts.shape[0]
@@ -291,9 +296,46 @@ def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np
     need = split_tokens - own
     stays = np.array([split_expert, split_dst, split_dst, own, slot])[:, own > 0]
     supply = supply.ravel()
+    parts = [stays]
+    per_node = ranks_per_node or ep
+    if per_node < ep and supply.any():
+        nodes = ep // per_node
+        supply_group = np.arange(supply.size) // per_node  # (slot, node of src), ascending
+        demand_group = slot * nodes + split_dst // per_node  # ascending: rows by slot, dst ascending
+        groups = experts.size * nodes
+        matched = np.minimum(np.bincount(supply_group, supply, groups), np.bincount(demand_group, need, groups))
+        take_supply = _even_share(supply, supply_group, matched, groups)
+        take_demand = _even_share(need, demand_group, matched, groups)
+        if take_supply.any():
+            parts.append(_northwest(take_supply, take_demand, split_dst, experts, ep))
+            supply = supply - take_supply
+            need = need - take_demand
+    if supply.any():
+        parts.append(_northwest(supply, need, split_dst, experts, ep))
+    return np.concatenate(parts, axis=1)
+
+
+def _even_share(values: np.ndarray, group: np.ndarray, share: np.ndarray, groups: int) -> np.ndarray:
+    """Per entry, its part of ``share[g]`` of its group ``g`` (entries grouped in order), in
+    proportion to its value (integers by cumulative rounding: they sum to ``share[g]`` exactly), so
+    what is left to cross nodes is spread over a node's ranks as their supply and demand are."""
+    values = values.astype(np.int64, copy=False)
+    total = np.bincount(group, values, groups).astype(np.int64)
+    group_start = np.concatenate([[0], np.cumsum(total)[:-1]])
+    upto = np.cumsum(values) - group_start[group]  # inclusive running sum inside the group
+    scaled = upto * share.astype(np.int64)[group] // np.maximum(total[group], 1)
+    before = np.concatenate([[0], scaled[:-1]])
+    before[np.concatenate([[True], group[1:] != group[:-1]])] = 0
+    return scaled - before
+
+
+def _northwest(supply: np.ndarray, need: np.ndarray, split_dst: np.ndarray, experts: np.ndarray,
+               ep: int) -> np.ndarray:
+    """``[5, chunks]`` that match ``supply`` (``[slots * ep]``, slot-major) to the split rows'
+    ``need`` in order; both sum alike per slot."""
     sources = supply.nonzero()[0]  # slot * ep + src
     if not sources.size:
-        return stays
+        return np.zeros((5, 0), np.int64)
     supply_end = supply[sources].cumsum()
     open_rows = need > 0
     demand_end = need[open_rows].cumsum()
@@ -303,8 +345,7 @@ def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np
     starts = np.concatenate([[0], ends[:-1]])
     source = sources[supply_end.searchsorted(starts, "right")]
     destination = split_dst[open_rows][demand_end.searchsorted(starts, "right")]
-    moves = np.array([experts[source // ep], source % ep, destination, ends - starts, source // ep])
-    return np.concatenate([stays, moves], axis=1)
+    return np.array([experts[source // ep], source % ep, destination, ends - starts, source // ep])
 
 
 def build_plan(

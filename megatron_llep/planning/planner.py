@@ -136,7 +136,13 @@ def _spill_plan(
     if config.cost_aware:
         return _cheapest_plan(counts, loads, local, before, capacity, splits, config, expert_shape, copies)
     rows, spilled, _ = split_rows([splits], local, copies)
-    return build_plan(counts, loads, local, capacity, before, rows, spilled, transport(counts, rows, spilled))
+    return build_plan(counts, loads, local, capacity, before, rows, spilled,
+                      transport(counts, rows, spilled, _transport_nodes(config)))
+
+
+def _transport_nodes(config: LLEPConfig) -> Optional[int]:
+    """Ranks per node for :func:`transport`: token chunks matched inside nodes first when node aware."""
+    return config.ranks_per_node if config.node_aware_tokens else None
 
 
 # Raised capacities the cost-aware search tries, as multiples of the configured one. They are tried
@@ -191,7 +197,7 @@ def _cheapest_plan(
             candidates.append(more)
             slots, last = slots + len(more), len(more)
     rows, spilled, slot_candidate = split_rows(candidates, local, copies)
-    chunks = transport(counts, rows, spilled)
+    chunks = transport(counts, rows, spilled, _transport_nodes(config))
     timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
     phases = timer._candidate_phases(rows, spilled, chunks, slot_candidate, len(candidates))
     times = [sum(candidate) for candidate in phases]
