@@ -108,6 +108,10 @@ class LLEPConfig:
             plain EP sends across), and what must cross is spread over a node's ranks in
             proportion to their share, so no rank's cross-node link takes the whole remainder.
             ``False``: tokens matched in rank order.
+        repack_copies: after least-loaded assignment, refill the tokens each home rank sends each
+            helper from its experts largest first into the largest quota (MoonEP's planning rule),
+            keeping the remainders at home, where that needs fewer weight copies; every rank's
+            load stays as it was.
     """
 
     alpha: float = 1.0
@@ -123,6 +127,7 @@ class LLEPConfig:
     max_kept_weight_bytes: Union[int, str, None] = KEEP_AUTO
     relay_within_node: bool = True
     node_aware_tokens: bool = True
+    repack_copies: bool = True
 
     def __post_init__(self) -> None:
         number = _finite_number
@@ -151,6 +156,8 @@ class LLEPConfig:
             raise LLEPConfigError("relay_within_node", "must be True or False", self.relay_within_node)
         if not isinstance(self.node_aware_tokens, bool):
             raise LLEPConfigError("node_aware_tokens", "must be True or False", self.node_aware_tokens)
+        if not isinstance(self.repack_copies, bool):
+            raise LLEPConfigError("repack_copies", "must be True or False", self.repack_copies)
         if not isinstance(self.cost_model, CostModel):
             raise TypeError(f"LLEPConfig.cost_model must be a CostModel, got {type(self.cost_model).__name__}")
         if self.pruning is not None and not isinstance(self.pruning, RoutingPruning):

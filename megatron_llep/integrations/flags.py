@@ -83,6 +83,10 @@ def add_llep_flags(parser: argparse.ArgumentParser, llep_default: bool) -> argpa
                        default=defaults.node_aware_tokens,
                        help="across nodes, a spilled expert's tokens are matched to their computing ranks inside "
                             "each node first, and what crosses is spread over the node's ranks")
+    group.add_argument(flag("repack_copies"), action=argparse.BooleanOptionalAction,
+                       default=defaults.repack_copies,
+                       help="refill each rank's spills largest expert into largest quota where that needs fewer "
+                            "weight copies (loads unchanged)")
     group.add_argument(flag("placement"), default=None, metavar="PATH",
                        help="CAP expert placement (python -m megatron_llep.placement plan ...), applied before the "
                             "optimizer is built; checkpoints hold the experts in this placement's order")
@@ -112,6 +116,7 @@ def llep_config_from_flags(args: argparse.Namespace, on_gpu: Optional[bool] = No
             max_kept_weight_bytes=args.llep_max_kept_weight_bytes,
             relay_within_node=args.llep_relay_within_node,
             node_aware_tokens=args.llep_node_aware_tokens,
+            repack_copies=args.llep_repack_copies,
         )
     except LLEPConfigError as err:  # every knob has its flag
         raise ValueError(err.for_flag(flag(err.knob))) from None

@@ -37,11 +37,12 @@ def least_loaded_assignment(
     capacity: float,
     config: LLEPConfig,
     held: Optional[dict[int, tuple[int, ...]]] = None,
+    repacked: bool = True,
 ) -> dict[int, list[tuple[int, int]]]:
     """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank.
 
     ``held[e]``: ranks that already keep a copy of ``e``; they are its first helpers (a spill there
-    moves no weights).
+    moves no weights). ``repacked``: with ``config.repack_copies``, end with :func:`repack`.
 
     Plain Python ints on purpose: the loop is short and numpy's per-call overhead would dominate.
     """
@@ -144,7 +145,123 @@ def least_loaded_assignment(
                 remaining = 0
         if len(parts) > 1 or n not in parts:
             splits[e] = sorted(parts.items())
+    if repacked and config.repack_copies and splits:
+        splits = repack(splits, expert_loads, local, held or {}, m, ranks_per_node)
     return splits
+
+
+def repack(splits: dict[int, list[tuple[int, int]]], loads: list[int], local: int,
+           held: dict[int, tuple[int, ...]], m: int, ranks_per_node: int) -> dict[int, list[tuple[int, int]]]:
+    """The same rank loads with fewer weight copies where possible (MoonEP's planning rule on the
+    plan's own totals). Each home rank's tokens for other ranks (its quotas) are refilled from all
+    its experts: those a helper already holds into that helper's quota first, then the largest
+    expert into the largest remaining quota, the home rank keeping the rest. The quotas are first
+    the plan's own; then, if no rank both sends and receives, rebuilt from the same totals (what
+    each home rank sends, what each helper receives) by letting the home rank with the most left
+    fill the helper with the most room, inside its node first, so a helper serves one home rank
+    where it can. The result with the fewest new copies wins, the plan's own on ties; a rebuilt
+    plan never gives a helper a piece smaller than the smallest it had (or ``m``)."""
+    def copies_of(plan: dict[int, list[tuple[int, int]]]) -> int:
+        return sum(dst != e // local and dst not in held.get(e, ()) for e, parts in plan.items() for dst, _ in parts)
+
+    def smallest_piece(plan: dict[int, list[tuple[int, int]]]) -> int:
+        return min((t for e, parts in plan.items() for dst, t in parts if dst != e // local), default=0)
+
+    quotas: dict[int, dict[int, int]] = {}
+    for e, parts in splits.items():
+        home = e // local
+        for dst, tokens in parts:
+            if dst != home:
+                quotas.setdefault(home, {})
+                quotas[home][dst] = quotas[home].get(dst, 0) + tokens
+    floor_piece = min(smallest_piece(splits), m if m > 0 else 1)
+    best, best_copies = splits, copies_of(splits)
+    helpers = {dst for q in quotas.values() for dst in q}
+    if best_copies <= len(helpers):
+        return splits  # one copy per helper at most (held ones aside): nothing to gain
+    own = _fill_quotas(splits, quotas, loads, local, held)
+    if copies_of(own) < best_copies and smallest_piece(own) >= floor_piece:
+        best, best_copies = own, copies_of(own)
+    sending = {home: sum(q.values()) for home, q in quotas.items()}
+    receiving: dict[int, int] = {}
+    for q in quotas.values():
+        for dst, tokens in q.items():
+            receiving[dst] = receiving.get(dst, 0) + tokens
+    if len(quotas) > 1 and not set(sending) & set(receiving):
+        for per_node in dict.fromkeys([ranks_per_node, None]):  # inside nodes first; then as if one node
+            if best_copies <= len(helpers):
+                break
+            other = _fill_quotas(splits, _rebuild_quotas(sending, receiving, per_node), loads, local, held)
+            if copies_of(other) < best_copies and smallest_piece(other) >= floor_piece:
+                best, best_copies = other, copies_of(other)
+    return best
+
+
+def _rebuild_quotas(sending: dict[int, int], receiving: dict[int, int],
+                    per_node: Optional[int]) -> dict[int, dict[int, int]]:
+    """Quotas from totals: the home rank with the most left to send fills the receiving rank with the
+    most room (inside its node first when ``per_node``), until all is sent. Heaps by node."""
+    key = (lambda d: d // per_node) if per_node else (lambda d: 0)
+    senders = [(-t, h) for h, t in sending.items() if t > 0]
+    heapq.heapify(senders)
+    pools: dict[int, list[tuple[int, int]]] = {}
+    for d, t in receiving.items():
+        if t > 0:
+            pools.setdefault(key(d), []).append((-t, d))
+    for pool in pools.values():
+        heapq.heapify(pool)
+    rebuilt: dict[int, dict[int, int]] = {}
+    while senders:
+        t, home = heapq.heappop(senders)
+        pool = pools.get(key(home))
+        if not pool:  # none left in its node: the roomiest anywhere
+            pool = min((p for p in pools.values() if p), key=lambda p: (p[0][0], p[0][1]))
+        r, dst = heapq.heappop(pool)
+        amount = min(-t, -r)
+        rebuilt.setdefault(home, {})
+        rebuilt[home][dst] = rebuilt[home].get(dst, 0) + amount
+        if -t > amount:
+            heapq.heappush(senders, (t + amount, home))
+        if -r > amount:
+            heapq.heappush(pool, (r + amount, dst))
+    return rebuilt
+
+
+def _fill_quotas(splits: dict[int, list[tuple[int, int]]], quotas: dict[int, dict[int, int]], loads: list[int],
+                 local: int, held: dict[int, tuple[int, ...]]) -> dict[int, list[tuple[int, int]]]:
+    """Splits that send each home rank's quotas (``quotas[home][dst]`` tokens), filled per home from
+    its experts: held experts into their holder's quota first, then largest expert into largest
+    quota; the home keeps the rest. Homes without quotas keep their splits."""
+    result = {e: parts for e, parts in splits.items() if e // local not in quotas}
+    for home, home_quotas in quotas.items():
+        room = dict(home_quotas)
+        left = {e: loads[e] for e in range(home * local, (home + 1) * local) if loads[e] > 0}
+        pieces: dict[int, dict[int, int]] = {}
+
+        def give(e: int, dst: int, tokens: int) -> None:
+            pieces.setdefault(e, {})[dst] = pieces.get(e, {}).get(dst, 0) + tokens
+            left[e] -= tokens
+            room[dst] -= tokens
+
+        holding = [(e, dst) for e in sorted(left, key=lambda e: (-left[e], e)) for dst in held.get(e, ()) if dst in room]
+        for e, dst in sorted(holding, key=lambda pair: pair[1]):  # held experts first: no copy at all
+            if room[dst] > 0 and left[e] > 0:
+                give(e, dst, min(left[e], room[dst]))
+        open_quotas = [(-q, dst) for dst, q in room.items() if q > 0]
+        heapq.heapify(open_quotas)
+        experts = [(-t, e) for e, t in left.items() if t > 0]
+        heapq.heapify(experts)
+        while open_quotas and experts:
+            q, dst = heapq.heappop(open_quotas)
+            t, e = heapq.heappop(experts)
+            give(e, dst, min(-q, -t))
+            if left[e] > 0:
+                heapq.heappush(experts, (-left[e], e))
+            if room[dst] > 0:
+                heapq.heappush(open_quotas, (-room[dst], dst))
+        for e, parts in pieces.items():
+            result[e] = sorted(list(parts.items()) + ([(home, left[e])] if left[e] > 0 else []))
+    return dict(sorted(result.items()))
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,8 @@ def _cheapest_plan(
             raised = capacity * factor if budget is None else min(capacity * factor, budget)
             if raised >= ceiling or raised <= capacities[-1] or slots + last > _SEARCH_SLOTS:
                 break
-            more = least_loaded_assignment(counts, loads, before, raised, config, copies.held)
+            # raised rungs already trade balance for fewer helpers: not repacked (planner time)
+            more = least_loaded_assignment(counts, loads, before, raised, config, copies.held, repacked=False)
             if not more:
                 break  # a higher capacity spills no more than this one
             capacities.append(raised)
