@@ -355,8 +355,8 @@ def step_replay(shape: LayerShape, ep: int, micro_batches: list[np.ndarray], lab
     (:func:`time_planner`, least of ``repeats``). ``llep_vs_ideal_no_overlap`` is the no-overlap
     roofline: every micro-batch's ``predict(...)["no_overlap_s"]`` plus the whole step-end return,
     against the ideal's. With ``overlap`` the baselines (plain EP and the ideal) hide their token
-    all-to-alls behind computation (:func:`overlapped`), and so may LLEP's; its weight copies,
-    planner and return are not hidden."""
+    all-to-alls behind computation (:func:`overlapped`), and so does LLEP, whose compute phase
+    includes its waits for weight copies; its planner and return are not hidden."""
     es, model = expert_shape(shape), config.cost_model
     ideal_layer = ideal_prediction(shape, ep, config)
     exchange = count_exchange_s(ep, shape.num_experts, model)
@@ -381,8 +381,7 @@ def step_replay(shape: LayerShape, ep: int, micro_batches: list[np.ndarray], lab
             predicted = predict(plan, shape, model, kept_gradients_per_step=True)
             plain = predict(plan_llep(counts, plain_config), shape, model)
             planner_s += plan_s
-            layer_s += (overlapped(predicted) + predicted["weights_wait_s"] if overlap else predicted["layer_s"]) \
-                + plan_s + exchange
+            layer_s += (overlapped(predicted) if overlap else predicted["layer_s"]) + plan_s + exchange
             no_overlap_s += predicted["no_overlap_s"] + plan_s + exchange
             ep_s += (overlapped(plain) if overlap else plain["layer_s"]) + exchange
             cross_rows = max(cross_rows, predicted["cross_node_rows"])
@@ -458,7 +457,8 @@ def main() -> None:
                              f"{DEFAULT_KEPT_COPIES}, the library's default bound; 'none': no bound)")
     parser.add_argument("--overlapped-baseline", action="store_true",
                         help="with --steps: plain EP and the ideal hide their token all-to-alls behind computation "
-                             "(Megatron's EP overlap), and so does LLEP; its copies, planner and return stay exposed")
+                             "(Megatron's EP overlap), and so does LLEP (its waits for weight copies inside its compute); its "
+                             "planner and return stay exposed")
     parser.add_argument("--out", default=None, help="default: results/plan_model.json (results/plan_model_steps.json with --steps)")
     args = parser.parse_args()
     config = LLEPConfig(alpha=args.alpha, min_chunk_tokens=args.min_chunk_tokens, imbalance_threshold=args.imbalance_threshold)

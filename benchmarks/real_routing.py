@@ -395,7 +395,7 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--max-kept-copies", type=kept_copies_arg, default=DEFAULT_KEPT_COPIES,
                         help=f"with --steps: kept copies per rank and layer (default {DEFAULT_KEPT_COPIES}; 'none': no bound)")
     parser.add_argument("--overlapped-baseline", action="store_true",
-                        help="with --steps: plain EP and the ideal hide their token all-to-alls behind computation")
+                        help="with --steps: plain EP, the ideal and LLEP hide their token all-to-alls behind computation")
     args = parser.parse_args(argv)
     if args.steps:
         if args.out == "results/real_routing.json":

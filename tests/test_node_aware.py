@@ -1,7 +1,7 @@
 """Node-aware token transport (``LLEPConfig.node_aware_tokens``): a spilled expert's tokens are matched
 to their computing ranks inside each node first, and what must cross is spread over the node's
 ranks. Plans are checked with no process group; exactness against Megatron's plain EP runs at EP = 4
-as 2 nodes x 2 ranks and 4 nodes x 1, with negative controls."""
+as 2 nodes x 2 ranks and 4 nodes x 1, and at EP = 8 as 2 nodes x 4, with negative controls."""
 
 import dataclasses
 import os
@@ -157,3 +157,33 @@ def test_negative_controls_fail_across_nodes(results, case):
     damaged = "experts" if case.broken == "gradients_not_returned" else "out"
     for ref in ("stock", "ref"):
         assert max(r[f"{damaged}_vs_{ref}"] for r in per_rank) > 1e-2
+
+
+# EP = 8 as 2 nodes x 4 ranks: 8 gloo processes, a few cases (the machine has 2 cores).
+EP8_CASES = [
+    Case("hot_95_into_1_2x4", "hot", num_experts=16, ranks_per_node=4),
+    Case("top4_2x4", "hot", num_experts=16, topk=4, num_hot=4, ranks_per_node=4),
+]
+EP8_NEGATIVE_CONTROL = Case("broken_wrong_expert_sent_2x4", "hot", num_experts=16, topk=4, num_hot=4, ranks_per_node=4,
+                            broken="wrong_expert_sent")
+
+
+@pytest.fixture(scope="module")
+def results_ep8():
+    return run_distributed(run_cases, 8, EP8_CASES + [EP8_NEGATIVE_CONTROL], timeout_s=900)
+
+
+@pytest.mark.parametrize("case", EP8_CASES, ids=lambda c: c.name)
+def test_node_aware_llep_equals_plain_ep_at_ep8(results_ep8, case):
+    per_rank = [r[case.name] for r in results_ep8]
+    assert all(r["mode"] == "llep" for r in per_rank)
+    for key in ("out", "dx", "router", "experts"):
+        for ref in ("stock", "ref"):
+            assert max(r[f"{key}_vs_{ref}"] for r in per_rank) <= TOLERANCE[ref], (key, ref)
+    assert any(results_ep8[0][c.name]["node_aware_differs"] for c in EP8_CASES)
+
+
+def test_negative_control_fails_at_ep8(results_ep8):
+    per_rank = [r[EP8_NEGATIVE_CONTROL.name] for r in results_ep8]
+    assert all(r["mode"] == "llep" for r in per_rank)
+    assert max(r["out_vs_stock"] for r in per_rank) > 1e-2 and max(r["out_vs_ref"] for r in per_rank) > 1e-2
