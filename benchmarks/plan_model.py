@@ -138,7 +138,24 @@ def predict(plan: LLEPPlan, shape: LayerShape, model: CostModel, kept_gradients_
         "max_mean": float(tokens_here.max() / tokens_here.mean()),
         # token rows on the busiest cross-node link (a rank's rows out of or into its node)
         "cross_node_rows": int(max(token_out[True].max(), token_in[True].max()) // token_bytes),
+        "cross_node_total_rows": int(count[remote & crossing].sum()),
     }
+
+
+def count_exchange_s(ep: int, num_experts: int, model: CostModel) -> float:
+    """The all-gather of the ``[P, N]`` count matrix every rank plans from (int64; Megatron's
+    alltoall dispatcher gathers the same matrix to size its all-to-all, so plain EP and the ideal
+    pay it too): a ring of ``P - 1`` steps, each a link latency and one rank's row, over the slowest
+    link class in the group (across nodes beyond ``RANKS_PER_NODE`` ranks)."""
+    if ep <= 1:
+        return 0.0
+    return (ep - 1) * model.link_time(8.0 * num_experts, ep > RANKS_PER_NODE)
+
+
+def overlapped(phases: dict) -> float:
+    """A layer whose token all-to-alls hide behind computation (Megatron's EP overlap of one
+    micro-batch's dispatch and combine with another's expert GEMMs): the longer of the two."""
+    return max(phases["dispatch_s"] + phases["combine_s"], phases["compute_s"])
 
 
 def balanced_counts(shape: LayerShape, ep: int) -> np.ndarray:
@@ -182,21 +199,21 @@ def burst_counts(shape: LayerShape, ep: int, burst: Burst, seed: int) -> np.ndar
 
 
 def time_planner(counts: np.ndarray, config: LLEPConfig, es: ExpertShape, repeats: int, **planning) -> float:
-    """Median seconds of one :func:`plan_llep` call (``planning``: its ``held`` and ``keep_room``)."""
+    """Seconds of one :func:`plan_llep` call on this host, the least of ``repeats`` (``planning``:
+    its ``held`` and ``keep_room``); the planner runs on every rank's host between the count
+    exchange and the dispatch, so the step model adds it to LLEP's layer time."""
     plan_llep(counts, config, es, **planning)
     times = []
-    for _ in range(repeats):
+    for _ in range(max(repeats, 1)):
         start = time.perf_counter()
         plan_llep(counts, config, es, **planning)
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.min(times))
 
 
 def ep_config(config: LLEPConfig, model: CostModel, ep: int) -> LLEPConfig:
     """``config``'s knobs at EP size ``ep``: ``RANKS_PER_NODE`` ranks per node, ``model``'s costs."""
-    return LLEPConfig(alpha=config.alpha, min_chunk_tokens=config.min_chunk_tokens,
-                      imbalance_threshold=config.imbalance_threshold,
-                      ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
+    return replace(config, ranks_per_node=min(RANKS_PER_NODE, ep), cost_model=model)
 
 
 def ideal_prediction(shape: LayerShape, ep: int, config: LLEPConfig) -> dict:
@@ -263,6 +280,11 @@ DEFAULT_EPS = [8, 16, 32, 64]
 STEP_EPS = (8, 16, 64)
 
 
+# Kept copies per rank and layer in the step model unless --max-kept-copies says otherwise: the
+# library's default bound (LLEPConfig.max_kept_weight_bytes = "auto": one copy per rank and layer).
+DEFAULT_KEPT_COPIES = 1
+
+
 def weight_handling(config: LLEPConfig) -> dict[str, LLEPConfig]:
     return {"before": replace(config, max_kept_weight_bytes=0, relay_within_node=False),
             "after": replace(config, max_kept_weight_bytes=None, relay_within_node=True)}
@@ -309,22 +331,39 @@ def behind_backward(phases: list[float], window_s: float, moe_layers: int) -> fl
 
 
 def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: int, repeats: int,
-              kept_copies: Optional[int] = None) -> list[dict]:
-    """LLEP over one optimizer step of ``max(MICRO_BATCHES)`` micro-batches of one layer (forward
-    and backward, ``config.cost_model`` a training model), each with its own count matrix of the
-    scenario, planned in order; a row per step length in MICRO_BATCHES (a shorter step is the
-    first micro-batches of a longer one) and weight handling, against that many micro-batches of
-    the force-balanced ideal. Kept copies carry forward as ``held`` and return their gradients
-    once, at the end of the step (``llep_vs_ideal``: in the layer's last backward, as loops without
-    Megatron DDP; ``llep_vs_ideal_behind``: behind the layers below, as under Megatron DDP);
-    transient copies return theirs in their micro-batch. ``kept_copies``: "after" keeps at most
-    that many copies per rank (``max_kept_weight_bytes``; this one layer is the whole model).
-    ``llep_vs_ideal_no_overlap`` is the no-overlap roofline: every micro-batch's
-    ``predict(...)["no_overlap_s"]`` plus the whole step-end return, against the ideal's."""
+              kept_copies: Optional[int] = DEFAULT_KEPT_COPIES, overlap: bool = False) -> list[dict]:
+    """:func:`step_replay` of ``max(MICRO_BATCHES)`` micro-batches of a forced scenario, each with
+    its own count matrix."""
+    counts = [sample_counts(shape, ep, scenario, seed * 1009 + k) for k in range(max(MICRO_BATCHES))]
+    return step_replay(shape, ep, counts, {"scenario": scenario.label}, config, repeats, kept_copies, overlap)
+
+
+def step_replay(shape: LayerShape, ep: int, micro_batches: list[np.ndarray], label: dict, config: LLEPConfig,
+                repeats: int, kept_copies: Optional[int] = DEFAULT_KEPT_COPIES, overlap: bool = False) -> list[dict]:
+    """LLEP over one optimizer step of one layer (forward and backward, ``config.cost_model`` a
+    training model), the micro-batches' count matrices planned in order; a row per step length in
+    MICRO_BATCHES (a shorter step is the first micro-batches of a longer one) and weight handling,
+    against that many micro-batches of the force-balanced ideal. Kept copies carry forward as
+    ``held`` and return their gradients once, at the end of the step (``llep_vs_ideal``: in the
+    layer's last backward, as loops without Megatron DDP; ``llep_vs_ideal_behind``: behind the
+    layers below, as under Megatron DDP); transient copies return theirs in their micro-batch.
+    ``kept_copies``: "after" keeps at most that many copies per rank (this one layer is the whole
+    model's share: the library's default bound is one per rank and layer); ``None``: no bound.
+
+    Every micro-batch of LLEP, plain EP and the ideal pays the count exchange
+    (:func:`count_exchange_s`); LLEP also pays its planner's host time, measured here
+    (:func:`time_planner`, least of ``repeats``). ``llep_vs_ideal_no_overlap`` is the no-overlap
+    roofline: every micro-batch's ``predict(...)["no_overlap_s"]`` plus the whole step-end return,
+    against the ideal's. With ``overlap`` the baselines (plain EP and the ideal) hide their token
+    all-to-alls behind computation (:func:`overlapped`), and so does LLEP, whose compute phase
+    includes its waits for weight copies; its planner and return are not hidden."""
     es, model = expert_shape(shape), config.cost_model
     ideal_layer = ideal_prediction(shape, ep, config)
-    ideal = ideal_layer["layer_s"]
+    exchange = count_exchange_s(ep, shape.num_experts, model)
+    ideal = (overlapped(ideal_layer) if overlap else ideal_layer["layer_s"]) + exchange
+    ideal_no_overlap = ideal_layer["no_overlap_s"] + exchange
     window_s = ideal_layer["compute_s"] * 2 / 3  # one layer's backward GEMMs (a third of the compute is forward)
+    plain_config = LLEPConfig(imbalance_threshold=1e9, cost_aware=False)
     rows = []
     for handling, configured in weight_handling(config).items():
         if kept_copies is not None and handling == "after":
@@ -334,12 +373,21 @@ def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: in
         held = np.zeros((shape.num_experts, ep), bool)
         node = np.arange(ep) // RANKS_PER_NODE
         layer_s, no_overlap_s, copies, transient, crossing, crossing_transient = 0.0, 0.0, 0, 0, 0, 0
-        for k in range(max(MICRO_BATCHES)):
-            counts = sample_counts(shape, ep, scenario, seed * 1009 + k)
-            plan = plan_llep(counts, configured, es, held=held, keep_room=room)
+        ep_s, planner_s, cross_rows, ep_cross_rows, cross_total, ep_cross_total = 0.0, 0.0, 0, 0, 0, 0
+        for k, counts in enumerate(micro_batches):
+            planning = dict(held=held.copy(), keep_room=None if room is None else room.copy())
+            plan = plan_llep(counts, configured, es, **planning)
+            plan_s = time_planner(counts, configured, es, repeats, **planning)
             predicted = predict(plan, shape, model, kept_gradients_per_step=True)
-            layer_s += predicted["layer_s"]
-            no_overlap_s += predicted["no_overlap_s"]
+            plain = predict(plan_llep(counts, plain_config), shape, model)
+            planner_s += plan_s
+            layer_s += (overlapped(predicted) if overlap else predicted["layer_s"]) + plan_s + exchange
+            no_overlap_s += predicted["no_overlap_s"] + plan_s + exchange
+            ep_s += (overlapped(plain) if overlap else plain["layer_s"]) + exchange
+            cross_rows = max(cross_rows, predicted["cross_node_rows"])
+            ep_cross_rows = max(ep_cross_rows, plain["cross_node_rows"])
+            cross_total += predicted["cross_node_total_rows"]
+            ep_cross_total += plain["cross_node_total_rows"]
             copies += plan.num_weight_transfers
             transient += int((~plan.transfer_kept).sum())
             crosses = node[plan.transfer_source] != node[plan.transfer_helper]
@@ -355,24 +403,39 @@ def step_rows(shape: LayerShape, ep: int, scenario, config: LLEPConfig, seed: in
             return_s = sum(phases)
             # the runtime knows a step's last backward only from the earlier micro-batches' no_sync: a
             # step of one returns at finish_grad_sync, after the whole backward
-            behind_s = behind_backward(phases, window_s, MOE_LAYERS[shape.name]) if k > 0 else return_s
+            behind_s = behind_backward(phases, window_s, MOE_LAYERS.get(shape.name, 36)) if k > 0 else return_s
             step_s = layer_s + return_s
             rows.append({
-                "model": shape.name, "ep": ep, "scenario": scenario.label, "micro_batches": k + 1,
+                "model": shape.name, "ep": ep, **label, "micro_batches": k + 1,
                 "weights": handling, "step_ms": step_s * 1e3, "ideal_ms": (k + 1) * ideal * 1e3,
+                "ep_vs_ideal": ep_s / ((k + 1) * ideal),
                 "llep_vs_ideal": step_s / ((k + 1) * ideal), "grad_return_ms": return_s * 1e3,
                 "llep_vs_ideal_behind": (layer_s + behind_s) / ((k + 1) * ideal), "grad_return_behind_ms": behind_s * 1e3,
-                "llep_vs_ideal_no_overlap": (no_overlap_s + return_s) / ((k + 1) * ideal_layer["no_overlap_s"]),
+                "llep_vs_ideal_no_overlap": (no_overlap_s + return_s) / ((k + 1) * ideal_no_overlap),
+                "planner_ms": planner_s / (k + 1) * 1e3, "count_exchange_ms": exchange * 1e3,
+                "overlapped_baseline": overlap,
+                "cross_node_rows": cross_rows, "ep_cross_node_rows": ep_cross_rows,
+                "cross_node_rows_vs_ep": cross_total / ep_cross_total if ep_cross_total else None,
                 "weight_gb": copies * es.weight_bytes / 1e9,
                 "grad_gb": (transient * es.weight_bytes + held.sum() * 4 * es.num_params) / 1e9,  # kept: fp32
                 "cross_node_weight_gb": crossing * es.weight_bytes / 1e9,
                 "cross_node_grad_gb": (crossing_transient * es.weight_bytes + return_crossing) / 1e9,
                 "kept_copies": int(held.sum()), "max_kept_per_rank": int(held.sum(axis=0).max()),
                 "max_kept_gb_per_rank": int(held.sum(axis=0).max()) * es.kept_copy_bytes / 1e9,
-                "kept_bound_copies": kept_copies if handling == "after" else 0 if kept_bound == 0 else None,
-                "plan_ms": time_planner(counts, configured, es, repeats, held=held, keep_room=room) * 1e3,
+                "kept_bound_copies": kept_copies if handling == "after" else 0,
+                "plan_ms": plan_s * 1e3,
             })
     return rows
+
+
+def kept_copies_arg(text: str) -> Optional[int]:
+    """``--max-kept-copies``: a number of copies or ``none``."""
+    if text.lower() == "none":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of copies >= 0 or 'none', got {text!r}")
+    return value
 
 
 def main() -> None:
@@ -389,8 +452,13 @@ def main() -> None:
                              "(--ep to change), training cost model, borrowed weights copied per micro-batch "
                              "(before) or kept for the step and relayed inside nodes (after)")
     parser.add_argument("--quick", action="store_true", help="with --steps: DeepSeek-V3 and the 95 %% scenarios only")
-    parser.add_argument("--max-kept-copies", type=int, default=None,
-                        help="with --steps: 'after' keeps at most this many copies per rank and layer (default: no bound)")
+    parser.add_argument("--max-kept-copies", type=kept_copies_arg, default=DEFAULT_KEPT_COPIES,
+                        help="with --steps: 'after' keeps at most this many copies per rank and layer (default "
+                             f"{DEFAULT_KEPT_COPIES}, the library's default bound; 'none': no bound)")
+    parser.add_argument("--overlapped-baseline", action="store_true",
+                        help="with --steps: plain EP and the ideal hide their token all-to-alls behind computation "
+                             "(Megatron's EP overlap), and so does LLEP (its waits for weight copies inside its compute); its "
+                             "planner and return stay exposed")
     parser.add_argument("--out", default=None, help="default: results/plan_model.json (results/plan_model_steps.json with --steps)")
     args = parser.parse_args()
     config = LLEPConfig(alpha=args.alpha, min_chunk_tokens=args.min_chunk_tokens, imbalance_threshold=args.imbalance_threshold)
@@ -425,7 +493,7 @@ def run_steps(args: argparse.Namespace, config: LLEPConfig) -> None:
             if shape.num_experts % ep == 0:
                 for scenario in scenarios:
                     rows += step_rows(shape, ep, scenario, ep_config(config, model, ep), args.seed, args.planner_repeats,
-                                      args.max_kept_copies)
+                                      args.max_kept_copies, args.overlapped_baseline)
     print_table(rows, [
         ("model", "model", ""), ("ep", "P", "d"), ("scenario", "scenario", ""), ("micro_batches", "K", "d"),
         ("weights", "weights", ""), ("step_ms", "step ms", ".2f"), ("ideal_ms", "ideal ms", ".2f"),
@@ -434,7 +502,8 @@ def run_steps(args: argparse.Namespace, config: LLEPConfig) -> None:
         ("llep_vs_ideal_no_overlap", "no overlap: LLEP/ideal", ".3f"), ("max_kept_per_rank", "kept/rank", "d"),
         ("weight_gb", "weights GB", ".2f"), ("grad_gb", "grads GB", ".2f"),
         ("cross_node_weight_gb", "x-node w GB", ".2f"), ("cross_node_grad_gb", "x-node g GB", ".2f"),
-        ("kept_copies", "kept", "d"), ("plan_ms", "plan ms", ".3f"),
+        ("kept_copies", "kept", "d"), ("planner_ms", "planner ms", ".3f"),
+        ("cross_node_rows_vs_ep", "x-node rows / EP", ".2f"),
     ])
     print()
     print(step_summary(rows))
@@ -442,10 +511,11 @@ def run_steps(args: argparse.Namespace, config: LLEPConfig) -> None:
                   {**vars(args), "cost_model": model, "ranks_per_node": RANKS_PER_NODE})
 
 
-def step_summary(rows: list[dict]) -> str:
-    """Worst LLEP/ideal per (P, K, weight handling), and the points above 1.10; for kept copies
-    also with the return behind the layers below (as under Megatron DDP); and the no-overlap
-    roofline's, with the most copies one rank keeps."""
+def step_summary(rows: list[dict], where: str = "scenario") -> str:
+    """Per (P, K, weight handling): median and worst LLEP/ideal and the points above 1.10, in the
+    last layer's backward, behind the layers below (kept copies, as under Megatron DDP) and as the
+    no-overlap roofline; the slowest planner call, the most copies one rank keeps, and the points
+    where LLEP moves more token rows across nodes than plain EP (``where`` names a point)."""
     lines = []
     for key in sorted({(r["ep"], r["micro_batches"], r["weights"]) for r in rows}):
         group = [r for r in rows if (r["ep"], r["micro_batches"], r["weights"]) == key]
@@ -455,10 +525,13 @@ def step_summary(rows: list[dict]) -> str:
                 continue
             worst = max(group, key=lambda r: r[field])
             over = sum(r[field] > 1.10 for r in group)
-            lines.append(f"P = {key[0]:2d}, K = {key[1]}, {key[2] + label:14s}: worst LLEP/ideal {worst[field]:.3f} "
-                         f"({worst['model']} {worst['scenario']}), {over} of {len(group)} points above 1.10, "
+            more_cross = sum((r["cross_node_rows_vs_ep"] or 0) > 1 for r in group)
+            lines.append(f"P = {key[0]:2d}, K = {key[1]}, {key[2] + label:14s}: LLEP/ideal median "
+                         f"{float(np.median([r[field] for r in group])):.3f}, worst {worst[field]:.3f} "
+                         f"({worst['model']} {worst.get(where, '')}), {over} of {len(group)} points above 1.10, "
                          f"slowest plan {max(r['plan_ms'] for r in group):.3f} ms, "
-                         f"most copies kept on one rank {max(r['max_kept_per_rank'] for r in group)}")
+                         f"most copies kept on one rank {max(r['max_kept_per_rank'] for r in group)}, "
+                         f"points with more cross-node token rows than plain EP {more_cross}")
     return "\n".join(lines)
 
 

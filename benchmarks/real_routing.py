@@ -2,6 +2,7 @@
 
     python benchmarks/real_routing.py [--traces DIR] [--out results/real_routing.json]
         [--plot docs/img/real_routing.png] [--smoke]
+    python benchmarks/real_routing.py --steps [--max-kept-copies 1] [--overlapped-baseline]
 
 Every other figure in docs/ rests on forced "f into h" routing, which overstates skew (
 section 2). This benchmark reads the routing traces of the model trained here
@@ -42,7 +43,8 @@ import numpy as np
 
 from common import SCENARIOS, LayerShape, print_table, write_results
 from placement_report import add_placement_arguments, compare_placements, stability_rows
-from plan_model import RANKS_PER_NODE, compare_plans, ep_config, ideal_prediction
+from plan_model import (DEFAULT_KEPT_COPIES, MICRO_BATCHES, RANKS_PER_NODE, compare_plans, ep_config, ideal_prediction,
+                        kept_copies_arg, step_replay, step_summary)
 
 from megatron_llep.config import LLEPConfig
 from megatron_llep.planning.cost_model import CostModel
@@ -225,6 +227,57 @@ def replay_rows(traces: dict[tuple[str, str], RoutingTrace], eps: tuple[int, ...
     return rows
 
 
+def step_replay_rows(traces: dict[tuple[str, str], RoutingTrace], eps: tuple[int, ...], tokens_per_gpu: int, seed: int,
+                     repeats: int, config: LLEPConfig, kept_copies: Optional[int], overlap: bool) -> list[dict]:
+    """Section b over an optimizer step: per (model, domain, layer, P), ``max(MICRO_BATCHES)``
+    micro-batches of freshly drawn sequences, planned in order with copies kept across them
+    (``plan_model.step_replay``: training cost model, the return behind the backward, the
+    planner's time and the count exchange priced, the no-overlap roofline beside)."""
+    first = next(iter(traces.values()))
+    shape = replace(REPLAY_SHAPE, name=f"real-{first.num_experts}e@gpt-oss-width", num_experts=first.num_experts,
+                    topk=first.topk, tokens_per_gpu=tokens_per_gpu)
+    model = CostModel(training=True)
+    rows = []
+    for ep in eps:
+        if shape.num_experts % ep:
+            continue
+        configured = ep_config(config, model, ep)
+        for (name, domain), trace in traces.items():
+            for number, layer in sorted(trace.layers.items()):
+                counts = [replay_counts(layer.expert_ids, shape.num_experts,
+                                        sequence_draws(layer.num_sampled, ep, tokens_per_gpu, seed * 1009 + k))
+                          for k in range(max(MICRO_BATCHES))]
+                label = {"kind": "step", "routing": routing_label(trace), "source": f"{name}/{domain}", "layer": number,
+                         "point": f"{name}/{domain} layer {number}"}
+                rows += step_replay(shape, ep, counts, label, configured, repeats, kept_copies, overlap)
+    return rows
+
+
+def run_steps(args: argparse.Namespace) -> None:
+    """``--steps``: section b over a step of K micro-batches (plan_model.py --steps on the traces)."""
+    traces = load_all(args.traces) if not args.smoke else None
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as directory:
+            write_stand_ins(directory, SMOKE_TOKENS, SMOKE_LAYERS, args.seed)
+            traces = load_all(directory)
+    eps = SMOKE_REPLAY_EP if args.smoke else REPLAY_EP
+    tokens_per_gpu = SMOKE_TOKENS_PER_GPU if args.smoke else args.tokens_per_gpu
+    rows = step_replay_rows(traces, eps, tokens_per_gpu, args.seed, args.planner_repeats, LLEPConfig(),
+                            args.max_kept_copies, args.overlapped_baseline)
+    print_table(rows, [
+        ("routing", "routing", ""), ("point", "trace layer", ""), ("ep", "P", "d"), ("micro_batches", "K", "d"),
+        ("weights", "weights", ""), ("ep_vs_ideal", "EP/ideal", ".3f"), ("llep_vs_ideal", "LLEP/ideal", ".3f"),
+        ("llep_vs_ideal_behind", "behind: LLEP/ideal", ".3f"), ("llep_vs_ideal_no_overlap", "no overlap: LLEP/ideal", ".3f"),
+        ("planner_ms", "planner ms", ".3f"), ("count_exchange_ms", "count exchange ms", ".3f"),
+        ("max_kept_per_rank", "kept/rank", "d"), ("cross_node_rows_vs_ep", "x-node rows / EP", ".2f"),
+    ])
+    print()
+    print(step_summary(rows, "point"))
+    write_results(args.out, "real_routing_steps", rows, {
+        **vars(args), "replay_ep": eps, "replay_tokens_per_gpu": tokens_per_gpu, "replay_shape": REPLAY_SHAPE,
+        "ranks_per_node": RANKS_PER_NODE, "llep": LLEPConfig(), "micro_batches": MICRO_BATCHES})
+
+
 # c. CAP transfer across domains
 
 def transfer_rows(traces: dict[tuple[str, str], RoutingTrace], lam: float, redundant: int, llep: LLEPConfig,
@@ -335,7 +388,20 @@ def main(argv: Optional[list] = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny run on stand-in traces it generates (tests)")
     parser.add_argument("--out", default="results/real_routing.json")
     parser.add_argument("--plot", default="docs/img/real_routing.png", help="PNG to write ('' for none)")
+    parser.add_argument("--steps", action="store_true",
+                        help="only the replay, over optimizer steps of 1, 4 and 8 micro-batches (training cost model, "
+                             "copies kept across micro-batches, the return behind the backward, planner time and "
+                             "count exchange priced); --out defaults to results/real_routing_steps.json")
+    parser.add_argument("--max-kept-copies", type=kept_copies_arg, default=DEFAULT_KEPT_COPIES,
+                        help=f"with --steps: kept copies per rank and layer (default {DEFAULT_KEPT_COPIES}; 'none': no bound)")
+    parser.add_argument("--overlapped-baseline", action="store_true",
+                        help="with --steps: plain EP, the ideal and LLEP hide their token all-to-alls behind computation")
     args = parser.parse_args(argv)
+    if args.steps:
+        if args.out == "results/real_routing.json":
+            args.out = "results/real_routing_steps.json"
+        run_steps(args)
+        return
     batches = SMOKE_BATCH_TOKENS if args.smoke else BATCH_TOKENS
     replay_eps = SMOKE_REPLAY_EP if args.smoke else REPLAY_EP
     tokens_per_gpu = SMOKE_TOKENS_PER_GPU if args.smoke else args.tokens_per_gpu

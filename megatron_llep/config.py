@@ -102,6 +102,16 @@ class LLEPConfig:
             and kept gradients return as a hierarchical sum in stripes, inside nodes and across
             the helper nodes, before one sum per node enters the native rank's node
             (:func:`megatron_llep.planning.gradient_return.gradient_return_phases`).
+        node_aware_tokens: across nodes (``ranks_per_node`` below the EP size), a spilled
+            expert's tokens are matched to the ranks that compute them inside each node first (a
+            helper in another node than the native rank's serves that node's own tokens, which
+            plain EP sends across), and what must cross is spread over a node's ranks in
+            proportion to their share, so no rank's cross-node link takes the whole remainder.
+            ``False``: tokens matched in rank order.
+        repack_copies: after least-loaded assignment, refill the tokens each home rank sends each
+            helper from its experts largest first into the largest quota (MoonEP's planning rule),
+            keeping the remainders at home, where that needs fewer weight copies; every rank's
+            load stays as it was.
     """
 
     alpha: float = 1.0
@@ -116,6 +126,8 @@ class LLEPConfig:
     max_tokens_per_rank: Optional[int] = None
     max_kept_weight_bytes: Union[int, str, None] = KEEP_AUTO
     relay_within_node: bool = True
+    node_aware_tokens: bool = True
+    repack_copies: bool = True
 
     def __post_init__(self) -> None:
         number = _finite_number
@@ -142,6 +154,10 @@ class LLEPConfig:
                                   "or None for no bound", kept)
         if not isinstance(self.relay_within_node, bool):
             raise LLEPConfigError("relay_within_node", "must be True or False", self.relay_within_node)
+        if not isinstance(self.node_aware_tokens, bool):
+            raise LLEPConfigError("node_aware_tokens", "must be True or False", self.node_aware_tokens)
+        if not isinstance(self.repack_copies, bool):
+            raise LLEPConfigError("repack_copies", "must be True or False", self.repack_copies)
         if not isinstance(self.cost_model, CostModel):
             raise TypeError(f"LLEPConfig.cost_model must be a CostModel, got {type(self.cost_model).__name__}")
         if self.pruning is not None and not isinstance(self.pruning, RoutingPruning):

@@ -80,6 +80,14 @@ def add_llep_flags(parser: argparse.ArgumentParser, llep_default: bool) -> argpa
     group.add_argument(flag("relay_within_node"), action=argparse.BooleanOptionalAction,
                        default=defaults.relay_within_node,
                        help="a borrowed expert's copy crosses to another node once and is forwarded inside it")
+    group.add_argument(flag("node_aware_tokens"), action=argparse.BooleanOptionalAction,
+                       default=defaults.node_aware_tokens,
+                       help="across nodes, a spilled expert's tokens are matched to their computing ranks inside "
+                            "each node first, and what crosses is spread over the node's ranks")
+    group.add_argument(flag("repack_copies"), action=argparse.BooleanOptionalAction,
+                       default=defaults.repack_copies,
+                       help="refill each rank's spills largest expert into largest quota where that needs fewer "
+                            "weight copies (loads unchanged)")
     group.add_argument(PLACEMENT_FLAG, default=None, metavar="PATH",
                        help="CAP expert placement (python -m megatron_llep.placement plan ...), applied before the "
                             "optimizer is built; checkpoints hold the experts in this placement's order")
@@ -108,6 +116,8 @@ def llep_config_from_flags(args: argparse.Namespace, on_gpu: Optional[bool] = No
             max_tokens_per_rank=args.llep_max_tokens_per_rank,
             max_kept_weight_bytes=args.llep_max_kept_weight_bytes,
             relay_within_node=args.llep_relay_within_node,
+            node_aware_tokens=args.llep_node_aware_tokens,
+            repack_copies=args.llep_repack_copies,
         )
     except LLEPConfigError as err:  # every knob has its flag
         raise ValueError(err.for_flag(flag(err.knob))) from None

@@ -37,11 +37,12 @@ def least_loaded_assignment(
     capacity: float,
     config: LLEPConfig,
     held: Optional[dict[int, tuple[int, ...]]] = None,
+    repacked: bool = True,
 ) -> dict[int, list[tuple[int, int]]]:
     """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank.
 
     ``held[e]``: ranks that already keep a copy of ``e``; they are its first helpers (a spill there
-    moves no weights).
+    moves no weights). ``repacked``: with ``config.repack_copies``, end with :func:`repack`.
 
     Plain Python ints on purpose: the loop is short and numpy's per-call overhead would dominate.
     """
@@ -144,7 +145,123 @@ def least_loaded_assignment(
                 remaining = 0
         if len(parts) > 1 or n not in parts:
             splits[e] = sorted(parts.items())
+    if repacked and config.repack_copies and splits:
+        splits = repack(splits, expert_loads, local, held or {}, m, ranks_per_node)
     return splits
+
+
+def repack(splits: dict[int, list[tuple[int, int]]], loads: list[int], local: int,
+           held: dict[int, tuple[int, ...]], m: int, ranks_per_node: int) -> dict[int, list[tuple[int, int]]]:
+    """The same rank loads with fewer weight copies where possible (MoonEP's planning rule on the
+    plan's own totals). Each home rank's tokens for other ranks (its quotas) are refilled from all
+    its experts: those a helper already holds into that helper's quota first, then the largest
+    expert into the largest remaining quota, the home rank keeping the rest. The quotas are first
+    the plan's own; then, if no rank both sends and receives, rebuilt from the same totals (what
+    each home rank sends, what each helper receives) by letting the home rank with the most left
+    fill the helper with the most room, inside its node first, so a helper serves one home rank
+    where it can. The result with the fewest new copies wins, the plan's own on ties; a rebuilt
+    plan never gives a helper a piece smaller than the smallest it had (or ``m``)."""
+    def copies_of(plan: dict[int, list[tuple[int, int]]]) -> int:
+        return sum(dst != e // local and dst not in held.get(e, ()) for e, parts in plan.items() for dst, _ in parts)
+
+    def smallest_piece(plan: dict[int, list[tuple[int, int]]]) -> int:
+        return min((t for e, parts in plan.items() for dst, t in parts if dst != e // local), default=0)
+
+    quotas: dict[int, dict[int, int]] = {}
+    for e, parts in splits.items():
+        home = e // local
+        for dst, tokens in parts:
+            if dst != home:
+                quotas.setdefault(home, {})
+                quotas[home][dst] = quotas[home].get(dst, 0) + tokens
+    floor_piece = min(smallest_piece(splits), m if m > 0 else 1)
+    best, best_copies = splits, copies_of(splits)
+    helpers = {dst for q in quotas.values() for dst in q}
+    if best_copies <= len(helpers):
+        return splits  # one copy per helper at most (held ones aside): nothing to gain
+    own = _fill_quotas(splits, quotas, loads, local, held)
+    if copies_of(own) < best_copies and smallest_piece(own) >= floor_piece:
+        best, best_copies = own, copies_of(own)
+    sending = {home: sum(q.values()) for home, q in quotas.items()}
+    receiving: dict[int, int] = {}
+    for q in quotas.values():
+        for dst, tokens in q.items():
+            receiving[dst] = receiving.get(dst, 0) + tokens
+    if len(quotas) > 1 and not set(sending) & set(receiving):
+        for per_node in dict.fromkeys([ranks_per_node, None]):  # inside nodes first; then as if one node
+            if best_copies <= len(helpers):
+                break
+            other = _fill_quotas(splits, _rebuild_quotas(sending, receiving, per_node), loads, local, held)
+            if copies_of(other) < best_copies and smallest_piece(other) >= floor_piece:
+                best, best_copies = other, copies_of(other)
+    return best
+
+
+def _rebuild_quotas(sending: dict[int, int], receiving: dict[int, int],
+                    per_node: Optional[int]) -> dict[int, dict[int, int]]:
+    """Quotas from totals: the home rank with the most left to send fills the receiving rank with the
+    most room (inside its node first when ``per_node``), until all is sent. Heaps by node."""
+    key = (lambda d: d // per_node) if per_node else (lambda d: 0)
+    senders = [(-t, h) for h, t in sending.items() if t > 0]
+    heapq.heapify(senders)
+    pools: dict[int, list[tuple[int, int]]] = {}
+    for d, t in receiving.items():
+        if t > 0:
+            pools.setdefault(key(d), []).append((-t, d))
+    for pool in pools.values():
+        heapq.heapify(pool)
+    rebuilt: dict[int, dict[int, int]] = {}
+    while senders:
+        t, home = heapq.heappop(senders)
+        pool = pools.get(key(home))
+        if not pool:  # none left in its node: the roomiest anywhere
+            pool = min((p for p in pools.values() if p), key=lambda p: (p[0][0], p[0][1]))
+        r, dst = heapq.heappop(pool)
+        amount = min(-t, -r)
+        rebuilt.setdefault(home, {})
+        rebuilt[home][dst] = rebuilt[home].get(dst, 0) + amount
+        if -t > amount:
+            heapq.heappush(senders, (t + amount, home))
+        if -r > amount:
+            heapq.heappush(pool, (r + amount, dst))
+    return rebuilt
+
+
+def _fill_quotas(splits: dict[int, list[tuple[int, int]]], quotas: dict[int, dict[int, int]], loads: list[int],
+                 local: int, held: dict[int, tuple[int, ...]]) -> dict[int, list[tuple[int, int]]]:
+    """Splits that send each home rank's quotas (``quotas[home][dst]`` tokens), filled per home from
+    its experts: held experts into their holder's quota first, then largest expert into largest
+    quota; the home keeps the rest. Homes without quotas keep their splits."""
+    result = {e: parts for e, parts in splits.items() if e // local not in quotas}
+    for home, home_quotas in quotas.items():
+        room = dict(home_quotas)
+        left = {e: loads[e] for e in range(home * local, (home + 1) * local) if loads[e] > 0}
+        pieces: dict[int, dict[int, int]] = {}
+
+        def give(e: int, dst: int, tokens: int) -> None:
+            pieces.setdefault(e, {})[dst] = pieces.get(e, {}).get(dst, 0) + tokens
+            left[e] -= tokens
+            room[dst] -= tokens
+
+        holding = [(e, dst) for e in sorted(left, key=lambda e: (-left[e], e)) for dst in held.get(e, ()) if dst in room]
+        for e, dst in sorted(holding, key=lambda pair: pair[1]):  # held experts first: no copy at all
+            if room[dst] > 0 and left[e] > 0:
+                give(e, dst, min(left[e], room[dst]))
+        open_quotas = [(-q, dst) for dst, q in room.items() if q > 0]
+        heapq.heapify(open_quotas)
+        experts = [(-t, e) for e, t in left.items() if t > 0]
+        heapq.heapify(experts)
+        while open_quotas and experts:
+            q, dst = heapq.heappop(open_quotas)
+            t, e = heapq.heappop(experts)
+            give(e, dst, min(-q, -t))
+            if left[e] > 0:
+                heapq.heappush(experts, (-left[e], e))
+            if room[dst] > 0:
+                heapq.heappush(open_quotas, (-room[dst], dst))
+        for e, parts in pieces.items():
+            result[e] = sorted(list(parts.items()) + ([(home, left[e])] if left[e] > 0 else []))
+    return dict(sorted(result.items()))
 
 
 @dataclass(frozen=True)
@@ -272,16 +389,21 @@ def mark_copies(rows: list[list[int]], copy_rows: list[int], local: int, rules: 
                 rows[i][WAVE] = max(rows[i][WAVE], rows[rows[i][SOURCE_ROW]][WAVE] + 1)
 
 
-def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np.ndarray:
+def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray,
+              ranks_per_node: Optional[int] = None) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
     ``splits`` is ``[8, rows]`` from :func:`split_rows` (slot, expert, destination, tokens, ...): how
     many tokens each destination computes; ``experts[slot]`` is the slot's expert. Returns
     ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own
-    routed tokens; the rest of every slot's supply is matched to the rest of its demand in rank
-    order (north-west corner) — all slots at once, since the running sums of supply and demand
-    meet at every slot boundary. Ranks are numbered node by node, so this keeps traffic inside
-    nodes where it can.
+    routed tokens; with ``ranks_per_node`` below the EP size, then tokens routed inside its node
+    (per slot and node, as much as the node's supply and demand match, shared among the node's
+    sources and destinations in proportion to what each has left, so what must cross is spread over
+    the node's ranks rather than piled on the last ones); the rest of every slot's
+    supply is matched to the rest of its demand in rank order (north-west corner) — all slots at
+    once, since the running sums of supply and demand meet at every slot (and slot-node)
+    boundary. So no more of a slot's tokens cross nodes than its demand outside each node exceeds
+    that node's supply.
     """
     slot, split_expert, split_dst, split_tokens = splits[SLOT:WAVE]
     ep = counts.shape[0]
@@ -291,9 +413,46 @@ def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np
     need = split_tokens - own
     stays = np.array([split_expert, split_dst, split_dst, own, slot])[:, own > 0]
     supply = supply.ravel()
+    parts = [stays]
+    per_node = ranks_per_node or ep
+    if per_node < ep and supply.any():
+        nodes = ep // per_node
+        supply_group = np.arange(supply.size) // per_node  # (slot, node of src), ascending
+        demand_group = slot * nodes + split_dst // per_node  # ascending: rows by slot, dst ascending
+        groups = experts.size * nodes
+        matched = np.minimum(np.bincount(supply_group, supply, groups), np.bincount(demand_group, need, groups))
+        take_supply = _even_share(supply, supply_group, matched, groups)
+        take_demand = _even_share(need, demand_group, matched, groups)
+        if take_supply.any():
+            parts.append(_northwest(take_supply, take_demand, split_dst, experts, ep))
+            supply = supply - take_supply
+            need = need - take_demand
+    if supply.any():
+        parts.append(_northwest(supply, need, split_dst, experts, ep))
+    return np.concatenate(parts, axis=1)
+
+
+def _even_share(values: np.ndarray, group: np.ndarray, share: np.ndarray, groups: int) -> np.ndarray:
+    """Per entry, its part of ``share[g]`` of its group ``g`` (entries grouped in order), in
+    proportion to its value (integers by cumulative rounding: they sum to ``share[g]`` exactly), so
+    what is left to cross nodes is spread over a node's ranks as their supply and demand are."""
+    values = values.astype(np.int64, copy=False)
+    total = np.bincount(group, values, groups).astype(np.int64)
+    group_start = np.concatenate([[0], np.cumsum(total)[:-1]])
+    upto = np.cumsum(values) - group_start[group]  # inclusive running sum inside the group
+    scaled = upto * share.astype(np.int64)[group] // np.maximum(total[group], 1)
+    before = np.concatenate([[0], scaled[:-1]])
+    before[np.concatenate([[True], group[1:] != group[:-1]])] = 0
+    return scaled - before
+
+
+def _northwest(supply: np.ndarray, need: np.ndarray, split_dst: np.ndarray, experts: np.ndarray,
+               ep: int) -> np.ndarray:
+    """``[5, chunks]`` that match ``supply`` (``[slots * ep]``, slot-major) to the split rows'
+    ``need`` in order; both sum alike per slot."""
     sources = supply.nonzero()[0]  # slot * ep + src
     if not sources.size:
-        return stays
+        return np.zeros((5, 0), np.int64)
     supply_end = supply[sources].cumsum()
     open_rows = need > 0
     demand_end = need[open_rows].cumsum()
@@ -303,8 +462,7 @@ def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray) -> np
     starts = np.concatenate([[0], ends[:-1]])
     source = sources[supply_end.searchsorted(starts, "right")]
     destination = split_dst[open_rows][demand_end.searchsorted(starts, "right")]
-    moves = np.array([experts[source // ep], source % ep, destination, ends - starts, source // ep])
-    return np.concatenate([stays, moves], axis=1)
+    return np.array([experts[source // ep], source % ep, destination, ends - starts, source // ep])
 
 
 def build_plan(

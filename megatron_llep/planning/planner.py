@@ -136,7 +136,13 @@ def _spill_plan(
     if config.cost_aware:
         return _cheapest_plan(counts, loads, local, before, capacity, splits, config, expert_shape, copies)
     rows, spilled, _ = split_rows([splits], local, copies)
-    return build_plan(counts, loads, local, capacity, before, rows, spilled, transport(counts, rows, spilled))
+    return build_plan(counts, loads, local, capacity, before, rows, spilled,
+                      transport(counts, rows, spilled, _transport_nodes(config)))
+
+
+def _transport_nodes(config: LLEPConfig) -> Optional[int]:
+    """Ranks per node for :func:`transport`: token chunks matched inside nodes first when node aware."""
+    return config.ranks_per_node if config.node_aware_tokens else None
 
 
 # Raised capacities the cost-aware search tries, as multiples of the configured one. They are tried
@@ -184,14 +190,15 @@ def _cheapest_plan(
             raised = capacity * factor if budget is None else min(capacity * factor, budget)
             if raised >= ceiling or raised <= capacities[-1] or slots + last > _SEARCH_SLOTS:
                 break
-            more = least_loaded_assignment(counts, loads, before, raised, config, copies.held)
+            # raised rungs already trade balance for fewer helpers: not repacked (planner time)
+            more = least_loaded_assignment(counts, loads, before, raised, config, copies.held, repacked=False)
             if not more:
                 break  # a higher capacity spills no more than this one
             capacities.append(raised)
             candidates.append(more)
             slots, last = slots + len(more), len(more)
     rows, spilled, slot_candidate = split_rows(candidates, local, copies)
-    chunks = transport(counts, rows, spilled)
+    chunks = transport(counts, rows, spilled, _transport_nodes(config))
     timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
     phases = timer._candidate_phases(rows, spilled, chunks, slot_candidate, len(candidates))
     times = [sum(candidate) for candidate in phases]

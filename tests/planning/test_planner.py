@@ -366,8 +366,10 @@ def test_cost_aware_plan_is_never_predicted_slower_on_the_plan_model_grid(layer,
         _assert_never_slower(counts, layer, ep)
         _, predicted = _assert_never_slower(counts, layer, ep, relay_within_node=False)
         ratios.append(predicted["aware"] / predicted["plain"])
-    if ep >= 16:  # across nodes (no relays) the cost model finds better plans than least-loaded at alpha = 1
+    if ep >= 32:  # across nodes (no relays) the cost model finds better plans than least-loaded at alpha = 1
         assert sum(r < 1 - 1e-9 for r in ratios) >= 3 and min(ratios) < 0.9
+    elif ep == 16:  # two nodes: node-aware, repacked least-loaded plans leave the search less to find
+        assert sum(r < 1 - 1e-9 for r in ratios) >= 1
 
 
 @pytest.mark.parametrize("ep", [16, 64])

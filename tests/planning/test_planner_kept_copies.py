@@ -146,7 +146,7 @@ def test_without_held_room_or_relays_plans_are_those_of_before(inputs):
     counts, _, _, config = inputs
     from dataclasses import replace
 
-    config = replace(config, relay_within_node=False)
+    config = replace(config, relay_within_node=False, node_aware_tokens=False, repack_copies=False)  # none existed before
     new, old = plan_llep(counts, config, SHAPE), OLD_PLANNER.plan_llep(counts, config, SHAPE)
     assert (new.capacity, new.fallback) == (old.capacity, old.fallback)
     for name in PLAN_ARRAYS:
@@ -263,6 +263,7 @@ def test_held_and_relayed_plans_priced_like_the_rank_by_rank_model(ep):
     shape, model = plan_model.expert_shape(layer), CostModel(training=True)
     config = LLEPConfig(ranks_per_node=8, cost_model=model)
     timer_of = lambda counts: LayerTimeModel(counts, layer.num_experts // ep, shape, model, 8)  # noqa: E731
+    fewer = 0
     for scenario in SCENARIOS[1:]:
         first = plan_llep(sample_counts(layer, ep, scenario, seed=0), config, shape)
         held = np.zeros((layer.num_experts, ep), bool)
@@ -273,8 +274,10 @@ def test_held_and_relayed_plans_priced_like_the_rank_by_rank_model(ep):
         timer = timer_of(counts)
         for plan in (second, fresh):
             assert timer.time(plan) == pytest.approx(plan_model.predict(plan, layer, model)["layer_s"], rel=1e-9)
-        if first.num_weight_transfers:
-            assert second.num_weight_transfers < fresh.num_weight_transfers
+        if first.num_weight_transfers:  # repacked fresh plans can need as few new copies
+            assert second.num_weight_transfers <= fresh.num_weight_transfers
+            fewer += second.num_weight_transfers < fresh.num_weight_transfers
+    assert fewer >= len(SCENARIOS) // 2
 
 
 def test_relaying_is_cheaper_across_slow_node_links():

@@ -48,6 +48,7 @@ class Case:
     shared_overlap: bool = False  # moe_shared_expert_overlap: dispatcher drives the shared expert
     capacity_factor: Optional[float] = None  # Megatron's token dropping (no padding); the dense reference does not drop
     budget_over_mean: Optional[int] = None  # max_tokens_per_rank = ceil(routed rows / EP) + this (None: no budget)
+    ranks_per_node: Optional[int] = None  # LLEPConfig.ranks_per_node (None: one node)
 
 
 def _expert_ids(case: Case, rank: int, tokens: int) -> np.ndarray:
@@ -156,7 +157,8 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     cfg = moe_config(case.num_experts, case.hidden, case.ffn, case.topk, world, gpt_oss_experts=case.gpt_oss,
                      bias_activation_fusion=case.fused_bias_act, params_dtype=dtype, **shared, **dropping)
     llep_cfg = LLEPConfig(min_chunk_tokens=case.min_chunk_tokens, imbalance_threshold=case.imbalance_threshold,
-                          alpha=case.alpha, cost_aware=False, max_tokens_per_rank=_row_budget(case, world))
+                          alpha=case.alpha, cost_aware=False, max_tokens_per_rank=_row_budget(case, world),
+                          ranks_per_node=case.ranks_per_node)
     stock = build_moe_layer(cfg, None, seed=7, grouped_gemm=case.grouped_gemm)
     llep = build_moe_layer(cfg, llep_cfg, seed=7, grouped_gemm=case.grouped_gemm)
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -221,10 +223,26 @@ def compare_case(rank: int, world: int, case: Case) -> dict:
     dispatcher = llep.token_dispatcher
     errs["rows_here"] = int(sum(dispatcher._output_split_list) if dispatcher.llep_active else dispatcher.output_splits.sum())
     errs["budget"] = llep_cfg.max_tokens_per_rank
+    errs["cross_node_chunks"], errs["node_aware_differs"] = _node_traffic(llep.token_dispatcher.plan, llep_cfg)
     weight_group = llep.token_dispatcher.weight_group
     errs["separate_weight_group"] = weight_group is not llep.token_dispatcher.ep_group and (
         dist.get_process_group_ranks(weight_group) == dist.get_process_group_ranks(llep.token_dispatcher.ep_group))
     return errs
+
+
+def _node_traffic(plan, config: LLEPConfig) -> tuple[int, bool]:
+    """Token rows the plan's spilled chunks move across nodes, and whether matching tokens in rank
+    order (``node_aware_tokens=False``) would have made other chunks."""
+    if plan is None or plan.is_plain_ep or config.ranks_per_node is None:
+        return 0, False
+    from megatron_llep.planning import plan_llep
+
+    node = np.arange(plan.ep_size) // config.ranks_per_node
+    crossing = int(plan.chunk_count[node[plan.chunk_src] != node[plan.chunk_dst]].sum())
+    unaware = plan_llep(plan.counts, dataclasses.replace(config, node_aware_tokens=False))
+    differs = unaware.chunk_count.size != plan.chunk_count.size or not all(
+        np.array_equal(getattr(unaware, k), getattr(plan, k)) for k in ("chunk_src", "chunk_dst", "chunk_count"))
+    return crossing, differs
 
 
 def infeasible_budget(rank: int, world: int) -> dict:
