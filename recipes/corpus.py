@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Iterator, Optional, Sequence
 
-from megatron_llep.writable import OutputError, StagedOutputs, directory_problem  # noqa: E402
+from megatron_llep.writable import OutputError, StagedOutputs, directory_problem
 
 DOMAINS = ("code", "prose", "legal")
 SPLITS = ("train", "valid", "test")
@@ -208,7 +208,7 @@ def build(out: str, vocab_size: int = DEFAULT_VOCAB, max_docs_per_split: Optiona
           log=print) -> dict:
     """Write the corpus, the tokenizer and the indexed datasets under ``out``; returns the manifest."""
     from recipes.runtime import sft_data
-    from recipes.make_indexed_dataset import build_indexed_dataset, megatron_tokenizer_flags
+    from recipes.runtime.indexed_data import build_indexed_dataset, megatron_tokenizer_flags
 
     start = time.perf_counter()
     docs, files = collect()

@@ -91,7 +91,7 @@ class Job:
 @pytest.fixture(scope="module")
 def pretrain_data(tmp_path_factory) -> list[str]:
     """Megatron-LM's data flags for a tiny indexed dataset of the shipped SFT records."""
-    from recipes.make_indexed_dataset import build_indexed_dataset
+    from recipes.runtime.indexed_data import build_indexed_dataset
 
     out = tmp_path_factory.mktemp("lifetime_data")
     prefix, _, _ = build_indexed_dataset(os.path.join(ROOT, "recipes", "data", "tiny_sft.jsonl"), str(out / "sft"))

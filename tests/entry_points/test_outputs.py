@@ -24,6 +24,8 @@ import sys
 
 import numpy as np
 import pytest
+import safetensors.torch
+import torch
 
 from megatron_llep import writable
 from megatron_llep.testing import full_disk
@@ -165,6 +167,7 @@ def test_an_unwritable_directory_is_one_line_naming_the_file(tmp_path):
 
 def test_ctrl_c_in_the_single_process_tools_is_one_line_and_leaves_the_previous_files(tmp_path, capsys, monkeypatch):
     from recipes import corpus, make_indexed_dataset
+    from recipes.runtime import indexed_data
 
     (tmp_path / "sft_text_document.bin").write_text(PREVIOUS)
 
@@ -172,7 +175,7 @@ def test_ctrl_c_in_the_single_process_tools_is_one_line_and_leaves_the_previous_
         yield "a document"
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(make_indexed_dataset, "read_documents", documents_then_ctrl_c)
+    monkeypatch.setattr(indexed_data, "read_documents", documents_then_ctrl_c)
     with pytest.raises(SystemExit) as exit_info:
         make_indexed_dataset.main([DATA, "--output-prefix", str(tmp_path / "sft")])
     assert exit_info.value.code == 130
@@ -234,12 +237,13 @@ def test_a_checkpoint_megatron_core_016_cannot_read_names_the_release(tmp_path, 
 # Every entry point, in one launch of launch/torchrun.py ---------------------------------------------
 
 
-def _hf_config_of_other_sizes(path) -> str:
+def _hf_config_of_tiny(path, hidden_size_factor: int = 1) -> str:
+    """gpt-oss-tiny's config.json written to ``path`` (its hidden size times ``hidden_size_factor``)."""
     from recipes.hf.rules import family_module
     from recipes.models import RECIPES
 
     config = family_module("gpt-oss-tiny").hf_config_from_recipe(RECIPES["gpt-oss-tiny"]())
-    config["hidden_size"] *= 2
+    config["hidden_size"] *= hidden_size_factor
     path.write_text(json.dumps(config))
     return str(path)
 
@@ -255,7 +259,7 @@ def cases(tmp_path_factory) -> dict:
     """Every case of every entry point, run through launch/torchrun.py in one launch (in a user and mount
     namespace where one can be made: the full disks are then real, filled tmpfs); ``{name: (rank 0's
     result, rank 1's result or None)}``, ``out`` the directory they ran in."""
-    from recipes.make_indexed_dataset import build_indexed_dataset
+    from recipes.runtime.indexed_data import build_indexed_dataset
     from test_pretrain_errors import _copy_dataset
 
     out = tmp_path_factory.mktemp("outputs")
@@ -266,6 +270,9 @@ def cases(tmp_path_factory) -> dict:
     (out / "not_json.json").write_text("not json\n")
     (out / "list.json").write_text("[1, 2]\n")
     (out / "some_dir").mkdir()
+    (out / "hf_tiny").mkdir()  # a Hugging Face directory whose config.json and file layout pass the first checks
+    _hf_config_of_tiny(out / "hf_tiny" / "config.json")
+    safetensors.torch.save_file({"unused": torch.zeros(1)}, str(out / "hf_tiny" / "model.safetensors"))
     held = _hold(out / "held", json.dumps({"host": os.uname().nodename, "pid": os.getpid(), "since": "now",
                                            "command": "another run"}))
     listed = _hold(out / "listed", "[1, 2]")
@@ -322,7 +329,8 @@ def cases(tmp_path_factory) -> dict:
                                                                                f"{out}/some_dir", "--seq-length", "32",
                                                                                "--train-iters", "1"]},
         "finetune_lock_list": {"entry": "recipes.finetune", "argv": ["--train-iters", "1", "--save", listed]},
-        "hf_import_lock_held": {"entry": "recipes.hf.__main__", "argv": ["import", "--hf", f"{out}/some_dir",
+        # a valid config.json (checked first, before any process group), then the held --out
+        "hf_import_lock_held": {"entry": "recipes.hf.__main__", "argv": ["import", "--hf", f"{out}/hf_tiny",
                                                                          "--recipe", "gpt-oss-tiny", "--out", held]},
         "evaluate_bin_truncated": {"entry": "recipes.evaluate", "argv": [*evaluate, "--data", cut_bin]},
         "evaluate_idx_truncated": {"entry": "recipes.evaluate", "argv": [*evaluate, "--data", cut_idx]},
@@ -331,7 +339,7 @@ def cases(tmp_path_factory) -> dict:
         "hf_export_other_family": {"entry": "recipes.hf.__main__", "argv": ["export", "--load", ckpt, "--out",
                                                                             f"{out}/hf", "--recipe", "deepseek-v3-tiny"]},
         "hf_export_other_sizes": {"entry": "recipes.hf.__main__", "argv": [
-            "export", "--load", ckpt, "--out", f"{out}/hf", "--hf-config", _hf_config_of_other_sizes(out / "big.json")]},
+            "export", "--load", ckpt, "--out", f"{out}/hf", "--hf-config", _hf_config_of_tiny(out / "big.json", 2)]},
         "corpus_check_not_json": rank_0("recipes.corpus", "--out", f"{out}/corpus", "--check", f"{out}/not_json.json"),
         "corpus_check_list": rank_0("recipes.corpus", "--out", f"{out}/corpus", "--check", f"{out}/list.json"),
         "indexed_json_key": rank_0("recipes.make_indexed_dataset", DATA, "--output-prefix", f"{out}/k",

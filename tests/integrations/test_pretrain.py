@@ -131,7 +131,7 @@ def test_indexed_datasets_are_built_from_text_and_jsonl(runs):
     assert sft["first"] == [*f"{first['prompt']}\n{first['response']}".encode(), 257]
     assert sft["last_ids"] == notes["last_ids"] == [257]
     assert notes["first"] == [*b"Note 0: the 0-th expert hears about item 0.", 257]
-    from recipes.make_indexed_dataset import megatron_tokenizer_flags
+    from recipes.runtime.indexed_data import megatron_tokenizer_flags
 
     assert megatron_tokenizer_flags(BYTE_TOKENIZER) == "--tokenizer-type NullTokenizer --vocab-size 258"
 

@@ -63,7 +63,7 @@ def _copy_dataset(prefix: str, to: str, cut_bin: int = 0, cut_idx: int = 0, idx_
 def refused(tmp_path_factory) -> dict:
     """One torchrun launch running every case; ``{name: (rank 0's result, rank 1's result)}``."""
     from recipes.runtime.checkpointing import LATEST_FILE, MANIFEST_FILE, MANIFEST_FORMAT
-    from recipes.make_indexed_dataset import build_indexed_dataset
+    from recipes.runtime.indexed_data import build_indexed_dataset
 
     out = tmp_path_factory.mktemp("pretrain_errors")
     data, _, _ = build_indexed_dataset(os.path.join(ROOT, "recipes", "data", "tiny_sft.jsonl"), str(out / "sft"))

@@ -310,7 +310,4 @@ def test_sbatch_torchrun_mode_one_task_two_processes(local_slurm):
 
 
 def test_sbatch_per_task_mode_two_tasks(local_slurm):
-    with open(os.path.join(ROOT, "recipes", "entry_point.py")) as f:  # finetune.py's start-up
-        if "rendezvous_env_from_slurm" not in f.read():
-            pytest.skip("recipes/runtime/entry_point.py does not call recipes.runtime.launch_env.rendezvous_env_from_slurm yet")
     _sbatch(local_slurm, "per-task", 2)

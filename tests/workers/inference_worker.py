@@ -112,7 +112,7 @@ def main() -> None:
     # an indexed dataset of the shipped data (byte tokenizer) through evaluate.py's reader
     prefix = os.path.join(spec["scratch"], "tiny")
     if rank == 0:
-        from recipes.make_indexed_dataset import build_indexed_dataset
+        from recipes.runtime.indexed_data import build_indexed_dataset
 
         build_indexed_dataset(eval_args.data, prefix)
     dist.barrier()

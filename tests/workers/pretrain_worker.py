@@ -98,7 +98,7 @@ def main(out_dir: str, spec_path: str) -> None:
 
     from megatron_llep.runtime.state import STATS
     from recipes import pretrain_gpt
-    from recipes.make_indexed_dataset import build_indexed_dataset
+    from recipes.runtime.indexed_data import build_indexed_dataset
 
     writers: list[RecordingWriter] = []
     set_tensorboard_writer = global_vars._set_tensorboard_writer
