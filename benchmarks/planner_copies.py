@@ -6,14 +6,17 @@ planner's host time at N = 384, P = 64.
 Copies. Both planners balance exactly (every rank within one token of the mean, LLEP at alpha 1
 with m = 0 and lambda 1, not cost-aware) on the forced grid (gpt-oss-120b, DeepSeek-V3, Kimi-K2 at
 P = 8 and 64, every scenario of ``common.SCENARIOS``) and on the shipped real routing traces
-(P = 8, 16, 64, 32K tokens per GPU); each row counts the weight copies each needs (one per expert
+(P = 8, 16, 64, 32K tokens per GPU) and on Megatron-LM PR #7488's token-imbalance workloads W0-W7
+(routing "pr7488": the three shapes at P = 8 and 64, their tokens per GPU; W6 and W7 at step 3,
+after the hotspot's first move and on the burst, the others at step 0); each row counts the weight copies each needs (one per expert
 and helper). MoonEP's rule, as published (MoonshotAI's MoonEP planning kernel): the most
 overloaded home group fills the roomiest destination completely (one home group per destination
 while it has excess left), then inside each home group the largest expert takes the largest
 remaining quota.
 
 Time. :func:`plan_llep` with the library's defaults (cost-aware, m = 1024, lambda 1.3, 8 ranks a
-node) at Kimi-K2's N = 384 and P = 64 on every forced scenario: the least of ``--repeats`` calls
+node) at Kimi-K2's N = 384 and P = 64 on every forced scenario and every PR #7488 workload: the least
+of ``--repeats`` calls
 (on a quiet machine: the host's load average is recorded beside it).
 """
 
@@ -22,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import replace
 
 import numpy as np
 
@@ -30,10 +32,17 @@ from common import FULL_SHAPES, KIMI_K2, SCENARIOS, print_table, sample_counts, 
 from plan_model import RANKS_PER_NODE, expert_shape
 
 from megatron_llep.config import LLEPConfig
-from megatron_llep.planning import plan_llep
+from megatron_llep.planning import TOKEN_IMBALANCE_WORKLOADS, plan_llep, token_imbalance_counts
 
 COPY_EPS = (8, 64)
 TRACE_EPS = (8, 16, 64)
+# the step each PR #7488 workload is planned at: W6 once its hotspot has moved, W7 on its burst
+WORKLOAD_STEP = {"W6_rotating_hotspot": 3, "W7_burst": 3}
+
+
+def workload_counts(shape, ep: int, workload: str, seed: int) -> np.ndarray:
+    return token_imbalance_counts(workload, ep, shape.tokens_per_gpu, shape.num_experts, shape.topk, seed,
+                                  WORKLOAD_STEP.get(workload, 0))
 
 
 def moonep_rule_copies(counts: np.ndarray, local: int) -> tuple[int, float]:
@@ -99,9 +108,19 @@ def forced_copy_rows(seed: int) -> list[dict]:
     return rows
 
 
+def workload_copy_rows(seed: int) -> list[dict]:
+    rows = []
+    for shape in FULL_SHAPES:
+        for ep in COPY_EPS:
+            for workload in TOKEN_IMBALANCE_WORKLOADS:
+                rows.append(copy_row(workload_counts(shape, ep, workload, seed),
+                                     {"routing": "pr7488", "point": f"{shape.name} {workload}"}))
+    return rows
+
+
 def trace_copy_rows(seed: int) -> list[dict]:
     import real_routing
-    from recipes import routing_traces
+    from recipes.runtime import routing_traces
 
     rows = []
     traces = real_routing.load_all(routing_traces.TRACE_DIR)
@@ -118,18 +137,21 @@ def timing_rows(repeats: int, seed: int) -> list[dict]:
     shape, ep = KIMI_K2, 64
     config = LLEPConfig(ranks_per_node=RANKS_PER_NODE)
     rows = []
-    for scenario in SCENARIOS:
-        counts = sample_counts(shape, ep, scenario, seed)
-        es = expert_shape(shape)
+    points = [("forced", scenario.label, sample_counts(shape, ep, scenario, seed)) for scenario in SCENARIOS]
+    points += [("pr7488", workload, workload_counts(shape, ep, workload, seed)) for workload in TOKEN_IMBALANCE_WORKLOADS]
+    es = expert_shape(shape)
+    for routing, label, counts in points:
         plan_llep(counts, config, es)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
             plan_llep(counts, config, es)
             times.append(time.perf_counter() - start)
-        rows.append({"routing": "forced", "point": f"{shape.name} {scenario.label}", "ep": ep,
+        plan = plan_llep(counts, config, es)
+        rows.append({"routing": routing, "point": f"{shape.name} {label}", "ep": ep,
                      "num_experts": shape.num_experts, "plan_min_ms": min(times) * 1e3,
-                     "plan_median_ms": float(np.median(times)) * 1e3})
+                     "plan_median_ms": float(np.median(times)) * 1e3, "spilled_experts": int(plan.spilled_experts.size),
+                     "weight_copies": plan.num_weight_transfers})
     return rows
 
 
@@ -142,15 +164,16 @@ def main() -> None:
     load_before = os.getloadavg()
     timing = timing_rows(args.repeats, args.seed)
     load_after = os.getloadavg()
-    print_table(timing, [("point", "point", ""), ("ep", "P", "d"), ("num_experts", "N", "d"),
+    print_table(timing, [("routing", "routing", ""), ("point", "point", ""), ("ep", "P", "d"), ("num_experts", "N", "d"),
+                         ("spilled_experts", "spilled", "d"), ("weight_copies", "copies", "d"),
                          ("plan_min_ms", "plan ms (min)", ".3f"), ("plan_median_ms", "plan ms (median)", ".3f")])
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}\n")
-    copies = forced_copy_rows(args.seed) + trace_copy_rows(args.seed)
+    copies = forced_copy_rows(args.seed) + workload_copy_rows(args.seed) + trace_copy_rows(args.seed)
     print_table(copies, [("routing", "routing", ""), ("point", "point", ""), ("ep", "P", "d"),
                          ("llep_copies", "LLEP copies", "d"), ("moonep_copies", "MoonEP rule copies", "d"),
                          ("llep_max_mean", "LLEP max/mean", ".3f"), ("moonep_max_mean", "MoonEP max/mean", ".3f")])
     print()
-    for routing in ("forced", "real"):
+    for routing in ("forced", "pr7488", "real"):
         for ep in sorted({r["ep"] for r in copies if r["routing"] == routing}):
             group = [r for r in copies if r["routing"] == routing and r["ep"] == ep]
             print(f"{routing} P = {ep}: mean copies LLEP {np.mean([r['llep_copies'] for r in group]):.1f}, MoonEP rule "

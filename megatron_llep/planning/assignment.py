@@ -179,9 +179,26 @@ def repack(splits: dict[int, list[tuple[int, int]]], loads: list[int], local: in
     helpers = {dst for q in quotas.values() for dst in q}
     if best_copies <= len(helpers):
         return splits  # one copy per helper at most (held ones aside): nothing to gain
-    own = _fill_quotas(splits, quotas, loads, local, held)
-    if copies_of(own) < best_copies and smallest_piece(own) >= floor_piece:
-        best, best_copies = own, copies_of(own)
+    def may_win(home_quotas: dict[int, dict[int, int]]) -> bool:
+        """False when filling these quotas provably cannot give an accepted plan: every positive
+        quota is filled whole by pieces no larger than it, each a new copy unless its helper holds
+        the expert, so a quota under ``floor_piece`` makes a smaller piece, and the quotas to
+        helpers holding none of their home's experts need a copy each at least."""
+        needed = 0
+        for home, q in home_quotas.items():
+            for dst, tokens in q.items():
+                if tokens <= 0:
+                    continue
+                if tokens < floor_piece:
+                    return False
+                if not held or not any(dst in held.get(e, ()) for e in range(home * local, (home + 1) * local)):
+                    needed += 1
+        return needed < best_copies
+
+    if may_win(quotas):
+        own = _fill_quotas(splits, quotas, loads, local, held)
+        if copies_of(own) < best_copies and smallest_piece(own) >= floor_piece:
+            best, best_copies = own, copies_of(own)
     sending = {home: sum(q.values()) for home, q in quotas.items()}
     receiving: dict[int, int] = {}
     for q in quotas.values():
@@ -191,7 +208,10 @@ def repack(splits: dict[int, list[tuple[int, int]]], loads: list[int], local: in
         for per_node in dict.fromkeys([ranks_per_node, None]):  # inside nodes first; then as if one node
             if best_copies <= len(helpers):
                 break
-            other = _fill_quotas(splits, _rebuild_quotas(sending, receiving, per_node), loads, local, held)
+            rebuilt = _rebuild_quotas(sending, receiving, per_node)
+            if not may_win(rebuilt):
+                continue
+            other = _fill_quotas(splits, rebuilt, loads, local, held)
             if copies_of(other) < best_copies and smallest_piece(other) >= floor_piece:
                 best, best_copies = other, copies_of(other)
     return best
@@ -201,29 +221,32 @@ def _rebuild_quotas(sending: dict[int, int], receiving: dict[int, int],
                     per_node: Optional[int]) -> dict[int, dict[int, int]]:
     """Quotas from totals: the home rank with the most left to send fills the receiving rank with the
     most room (inside its node first when ``per_node``), until all is sent. Heaps by node."""
-    key = (lambda d: d // per_node) if per_node else (lambda d: 0)
     senders = [(-t, h) for h, t in sending.items() if t > 0]
     heapq.heapify(senders)
     pools: dict[int, list[tuple[int, int]]] = {}
     for d, t in receiving.items():
         if t > 0:
-            pools.setdefault(key(d), []).append((-t, d))
+            pools.setdefault(d // per_node if per_node else 0, []).append((-t, d))
     for pool in pools.values():
         heapq.heapify(pool)
+    heappop, heappush = heapq.heappop, heapq.heappush
     rebuilt: dict[int, dict[int, int]] = {}
     while senders:
-        t, home = heapq.heappop(senders)
-        pool = pools.get(key(home))
-        if not pool:  # none left in its node: the roomiest anywhere
-            pool = min((p for p in pools.values() if p), key=lambda p: (p[0][0], p[0][1]))
-        r, dst = heapq.heappop(pool)
-        amount = min(-t, -r)
-        rebuilt.setdefault(home, {})
-        rebuilt[home][dst] = rebuilt[home].get(dst, 0) + amount
-        if -t > amount:
-            heapq.heappush(senders, (t + amount, home))
-        if -r > amount:
-            heapq.heappush(pool, (r + amount, dst))
+        t, home = heappop(senders)
+        pool = pools.get(home // per_node if per_node else 0)
+        if not pool:  # none left in its node: the roomiest anywhere (most room, then lowest rank)
+            pool = None
+            for p in pools.values():
+                if p and (pool is None or p[0] < pool[0]):
+                    pool = p
+        r, dst = heappop(pool)
+        amount = -t if t > r else -r
+        quota = rebuilt.setdefault(home, {})
+        quota[dst] = quota.get(dst, 0) + amount
+        if t + amount < 0:
+            heappush(senders, (t + amount, home))
+        if r + amount < 0:
+            heappush(pool, (r + amount, dst))
     return rebuilt
 
 
@@ -232,33 +255,42 @@ def _fill_quotas(splits: dict[int, list[tuple[int, int]]], quotas: dict[int, dic
     """Splits that send each home rank's quotas (``quotas[home][dst]`` tokens), filled per home from
     its experts: held experts into their holder's quota first, then largest expert into largest
     quota; the home keeps the rest. Homes without quotas keep their splits."""
+    heappop, heappush = heapq.heappop, heapq.heappush
     result = {e: parts for e, parts in splits.items() if e // local not in quotas}
     for home, home_quotas in quotas.items():
         room = dict(home_quotas)
-        left = {e: loads[e] for e in range(home * local, (home + 1) * local) if loads[e] > 0}
+        first = home * local
+        left = {e: loads[e] for e in range(first, first + local) if loads[e] > 0}
         pieces: dict[int, dict[int, int]] = {}
-
-        def give(e: int, dst: int, tokens: int) -> None:
-            pieces.setdefault(e, {})[dst] = pieces.get(e, {}).get(dst, 0) + tokens
-            left[e] -= tokens
-            room[dst] -= tokens
-
-        holding = [(e, dst) for e in sorted(left, key=lambda e: (-left[e], e)) for dst in held.get(e, ()) if dst in room]
-        for e, dst in sorted(holding, key=lambda pair: pair[1]):  # held experts first: no copy at all
-            if room[dst] > 0 and left[e] > 0:
-                give(e, dst, min(left[e], room[dst]))
+        if held:
+            holding = [(e, dst) for e in sorted(left, key=lambda e: (-left[e], e)) for dst in held.get(e, ())
+                       if dst in room]
+            for e, dst in sorted(holding, key=lambda pair: pair[1]):  # held experts first: no copy at all
+                if room[dst] > 0 and left[e] > 0:
+                    take = min(left[e], room[dst])
+                    piece = pieces.setdefault(e, {})
+                    piece[dst] = piece.get(dst, 0) + take
+                    left[e] -= take
+                    room[dst] -= take
         open_quotas = [(-q, dst) for dst, q in room.items() if q > 0]
         heapq.heapify(open_quotas)
         experts = [(-t, e) for e, t in left.items() if t > 0]
         heapq.heapify(experts)
         while open_quotas and experts:
-            q, dst = heapq.heappop(open_quotas)
-            t, e = heapq.heappop(experts)
-            give(e, dst, min(-q, -t))
-            if left[e] > 0:
-                heapq.heappush(experts, (-left[e], e))
-            if room[dst] > 0:
-                heapq.heappush(open_quotas, (-room[dst], dst))
+            q, dst = heappop(open_quotas)
+            t, e = heappop(experts)
+            take = -q if q > t else -t  # min(-q, -t)
+            piece = pieces.get(e)
+            if piece is None:
+                pieces[e] = {dst: take}
+            else:
+                piece[dst] = piece.get(dst, 0) + take
+            left[e] = -t - take
+            room[dst] = -q - take
+            if t + take < 0:
+                heappush(experts, (t + take, e))
+            if q + take < 0:
+                heappush(open_quotas, (q + take, dst))
         for e, parts in pieces.items():
             result[e] = sorted(list(parts.items()) + ([(home, left[e])] if left[e] > 0 else []))
     return dict(sorted(result.items()))

@@ -69,7 +69,7 @@ def test_the_cross_node_remainder_is_spread_over_the_node():
     two nodes of 8: rank-order matching piles the tokens that must cross onto a node's last
     helpers; node-aware matching spreads them, so the busiest cross-node link carries fewer rows
     (and none more than plain EP's)."""
-    from recipes import routing_traces
+    from recipes.runtime import routing_traces
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
     import real_routing
 
