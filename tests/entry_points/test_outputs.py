@@ -270,6 +270,7 @@ def cases(tmp_path_factory) -> dict:
     (out / "not_json.json").write_text("not json\n")
     (out / "list.json").write_text("[1, 2]\n")
     (out / "some_dir").mkdir()
+    (out / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "broken"\n')
     (out / "hf_tiny").mkdir()  # a Hugging Face directory whose config.json and file layout pass the first checks
     _hf_config_of_tiny(out / "hf_tiny" / "config.json")
     safetensors.torch.save_file({"unused": torch.zeros(1)}, str(out / "hf_tiny" / "model.safetensors"))
@@ -325,6 +326,10 @@ def cases(tmp_path_factory) -> dict:
         "finetune_wandb_file": {"entry": "recipes.finetune", "argv": ["--wandb-save-dir", f"{out}/a_file"]},
         "generate_no_llep_knobs": {"entry": "recipes.generate", "argv": [*generate, "--no-llep", "--llep-alpha", "2",
                                                                          "--no-llep-cost-aware"]},
+        # layouts and data fine-tuning refuses once the process group is up
+        **{f"finetune_{name}": {"entry": "recipes.finetune", "argv": ["--seq-length", "32", "--micro-batch-size", "2",
+                                                                        "--train-iters", "1", *argv]}
+           for name, argv, _ in finetune_refusals(out)},
         "finetune_load_and_pretrained": {"entry": "recipes.finetune", "argv": ["--load", ckpt, "--pretrained",
                                                                                f"{out}/some_dir", "--seq-length", "32",
                                                                                "--train-iters", "1"]},
@@ -409,6 +414,25 @@ def test_every_output_on_a_full_disk_leaves_the_previous_files_and_one_line(case
     assert "No space left on device" in line and "; free space there or give " in line, line
     # the previous files whole, nothing partial beside them
     assert cases["results"][name][0]["files"] == full["previous"], cases["results"][name][0]["files"]
+
+
+def finetune_refusals(out) -> list[tuple[str, list[str], str]]:
+    """Fine-tuning's refusals of a layout or data, found once the process group is up: case name, flags,
+    what the one line says."""
+    return [
+        ("ep_vs_world", ["--recipe", "gpt-oss-tiny", "--expert-model-parallel-size", "3"], "EP = 3 must divide"),
+        ("global_batch", ["--global-batch-size", "6"], "not a multiple of micro batch x DP"),
+        ("tp_without_te", ["--tensor-model-parallel-size", "2"], "Transformer Engine"),
+        ("gpt_oss_bias_at_ep1", ["--pipeline-model-parallel-size", "2"], "need EP >= 2"),
+        ("bad_jsonl_line", ["--data", f"{out}/bad.jsonl"], f"{out}/bad.jsonl:2: not valid JSON"),
+    ]
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in finetune_refusals("")])
+def test_bad_layouts_and_data_in_fine_tuning_are_one_line(cases, name):
+    said = {n: text for n, _, text in finetune_refusals(cases["out"])}[name]
+    line = _one_line(cases, f"finetune_{name}", "[finetune]", 2)
+    assert said in line, line
 
 
 BAD_INPUT_CASES = [
