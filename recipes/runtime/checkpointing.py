@@ -528,15 +528,32 @@ def _agreed_failure(step: Callable[[], None], recorded: list[BaseException]) -> 
         step()
     except (Exception, CheckpointException) as err:  # every rank must get to the agreement below
         raised = err
-    mine = [f"rank {dist.get_rank()}: {_one_line(e)}" for e in (*recorded[:1], *([raised] if raised else []))]
+    errors = [*recorded[:1], *([raised] if raised else [])]
+    mine = [f"rank {dist.get_rank()}: {_one_line(e)}" for e in errors]
+    # an error with an errno (No space left on device) names the cause; another rank's may only see its effect
+    # (torch's file writer: "unexpected pos", a write cut short)
+    has_errno = any(_errno_of(e) is not None for e in errors)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (bool(recorded), mine))
-    found = sorted((not was_recorded, rank, lines[0]) for rank, (was_recorded, lines) in enumerate(everyone) if lines)
-    return found[0][2] if found else None
+    dist.all_gather_object(everyone, (bool(recorded), has_errno, mine))
+    found = sorted((not was_recorded, not with_errno, rank, lines[0])
+                   for rank, (was_recorded, with_errno, lines) in enumerate(everyone) if lines)
+    return found[0][3] if found else None
+
+
+def _errno_of(err: BaseException) -> Optional[int]:
+    """The errno of ``err`` or of an error it was raised from, None without one."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno is not None:
+            return err.errno
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _one_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if "unexpected pos" in line and "inline_container" in line:  # torch's zip writer after a short write
+        line = f"a write was cut short, as on a full disk ({line})"
+    return line
 
 
 def _bytes_to_write(state: dict[str, Any]) -> int:

@@ -511,7 +511,8 @@ def test_a_pretraining_save_on_a_full_disk_leaves_no_partial_checkpoint(cases):
     line = _one_line(cases, "pretrain_save_full", "[pretrain_gpt]", 1)
     save = cases["spec"]["pretrain_save_full"]["full"]["dir"] + "/ckpt"
     assert line.startswith(f"saving iteration 2 to {save} failed (rank "), line
-    assert "No space left on device" in line or "ENOSPC" in line or "28" in line, line
+    # the cause, from the rank that saw it; where every rank's writer only saw its effect, torch's short write
+    assert "No space left on device" in line or "ENOSPC" in line or "a write was cut short" in line, line
     assert f"removed its partial {save}/iter_0000002, nothing was saved before; a save needs about " in line, line
     assert line.endswith(f"free space there or give --save another directory, then resume with --load {save}"), line
     left = cases["results"]["pretrain_save_full"][0]["files"]
