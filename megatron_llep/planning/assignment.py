@@ -172,13 +172,14 @@ def repack(splits: dict[int, list[tuple[int, int]]], loads: list[int], local: in
         home = e // local
         for dst, tokens in parts:
             if dst != home:
-                quotas.setdefault(home, {})
-                quotas[home][dst] = quotas[home].get(dst, 0) + tokens
+                quota = quotas.setdefault(home, {})
+                quota[dst] = quota.get(dst, 0) + tokens
     floor_piece = min(smallest_piece(splits), m if m > 0 else 1)
     best, best_copies = splits, copies_of(splits)
     helpers = {dst for q in quotas.values() for dst in q}
     if best_copies <= len(helpers):
         return splits  # one copy per helper at most (held ones aside): nothing to gain
+
     def may_win(home_quotas: dict[int, dict[int, int]]) -> bool:
         """False when filling these quotas provably cannot give an accepted plan: every positive
         quota is filled whole by pieces no larger than it, each a new copy unless its helper holds
@@ -195,10 +196,17 @@ def repack(splits: dict[int, list[tuple[int, int]]], loads: list[int], local: in
                     needed += 1
         return needed < best_copies
 
-    if may_win(quotas):
-        own = _fill_quotas(splits, quotas, loads, local, held)
-        if copies_of(own) < best_copies and smallest_piece(own) >= floor_piece:
-            best, best_copies = own, copies_of(own)
+    def consider(home_quotas: dict[int, dict[int, int]]) -> None:
+        """Fill ``home_quotas`` and keep the result if it needs fewer copies (and no smaller piece)."""
+        nonlocal best, best_copies
+        if not may_win(home_quotas):
+            return
+        filled = _fill_quotas(splits, home_quotas, loads, local, held)
+        copies = copies_of(filled)
+        if copies < best_copies and smallest_piece(filled) >= floor_piece:
+            best, best_copies = filled, copies
+
+    consider(quotas)
     sending = {home: sum(q.values()) for home, q in quotas.items()}
     receiving: dict[int, int] = {}
     for q in quotas.values():
@@ -208,12 +216,7 @@ def repack(splits: dict[int, list[tuple[int, int]]], loads: list[int], local: in
         for per_node in dict.fromkeys([ranks_per_node, None]):  # inside nodes first; then as if one node
             if best_copies <= len(helpers):
                 break
-            rebuilt = _rebuild_quotas(sending, receiving, per_node)
-            if not may_win(rebuilt):
-                continue
-            other = _fill_quotas(splits, rebuilt, loads, local, held)
-            if copies_of(other) < best_copies and smallest_piece(other) >= floor_piece:
-                best, best_copies = other, copies_of(other)
+            consider(_rebuild_quotas(sending, receiving, per_node))
     return best
 
 

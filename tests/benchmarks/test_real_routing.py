@@ -14,7 +14,6 @@ from megatron_llep.placement.trace import RoutingTrace
 from recipes.runtime import routing_traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import real_routing  # noqa: E402  (the benchmark: its imbalance and replay functions)
 from common import SCENARIOS  # noqa: E402
 

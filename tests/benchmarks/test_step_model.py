@@ -14,7 +14,6 @@ from megatron_llep.config import LLEPConfig
 from megatron_llep.planning.cost_model import CostModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import plan_model  # noqa: E402
 from common import FULL_SHAPES, SCENARIOS  # noqa: E402
 

@@ -1,8 +1,6 @@
 """The LLEP planner against its contract (docs/design.md), with no process group."""
 
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +11,6 @@ from megatron_llep.planning.cost_model import CostModel, ExpertShape
 from megatron_llep.planning import LLEPPlan, LayerTimeModel, chunk_gather_index, copy_waves, plan_llep, rank_loads
 from megatron_llep.planning.scenarios import imbalanced_topk
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 import plan_model  # noqa: E402  (the plan-level benchmark: its scenarios and its layer-time prediction)
 from common import FULL_SHAPES, SCENARIOS, sample_counts  # noqa: E402
 

@@ -17,7 +17,6 @@ from megatron_llep.planning.cost_model import CostModel, ExpertShape
 from megatron_llep.planning import LLEPPlan, LayerTimeModel, plan_llep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import plan_model  # noqa: E402  (its rank-by-rank layer-time prediction is the oracle)
 from common import FULL_SHAPES, SCENARIOS, sample_counts  # noqa: E402
 from test_planner import assignment as computed_here  # noqa: E402  (tokens[e, rank] computed where)

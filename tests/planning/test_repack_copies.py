@@ -2,8 +2,6 @@
 tokens refilled largest expert into largest quota (MoonEP's planning rule), with no process group."""
 
 import dataclasses
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ from hypothesis import given, settings, strategies as st
 from megatron_llep.config import LLEPConfig
 from megatron_llep.planning import plan_llep
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 import planner_copies  # noqa: E402
 from common import FULL_SHAPES, SCENARIOS, sample_counts  # noqa: E402
 

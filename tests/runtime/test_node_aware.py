@@ -4,8 +4,6 @@ ranks. Plans are checked with no process group; exactness against Megatron's pla
 as 2 nodes x 2 ranks and 4 nodes x 1, and at EP = 8 as 2 nodes x 4, with negative controls."""
 
 import dataclasses
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,6 @@ from megatron_llep.config import LLEPConfig
 from megatron_llep.planning import plan_llep
 from megatron_llep.testing.distributed import run_distributed
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 import plan_model  # noqa: E402
 from common import FULL_SHAPES, SCENARIOS, sample_counts  # noqa: E402
 
@@ -70,7 +67,6 @@ def test_the_cross_node_remainder_is_spread_over_the_node():
     helpers; node-aware matching spreads them, so the busiest cross-node link carries fewer rows
     (and none more than plain EP's)."""
     from recipes.runtime import routing_traces
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
     import real_routing
 
     trace = routing_traces.load("pretrained", "legal")
