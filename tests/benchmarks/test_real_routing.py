@@ -17,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 import real_routing  # noqa: E402  (the benchmark: its imbalance and replay functions)
 from common import SCENARIOS  # noqa: E402
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 
 def _trace(num_experts: int, tokens: int, seed: int) -> RoutingTrace:
     rng = np.random.default_rng(seed)

@@ -4,6 +4,10 @@ against a second Megatron-Core release."""
 import os
 import re
 
+import pytest
+
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

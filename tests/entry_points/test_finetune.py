@@ -1,7 +1,8 @@
 """The fine-tuning entry point (recipes/finetune.py) end to end under torchrun on 2 CPU ranks:
 the README's main job, exact resume from a dist_checkpointing checkpoint, gradient accumulation,
-LLEP == plain EP on the DeepSeek-V3 architecture, pipeline parallelism, the wandb dashboard read
-back from the offline run file, validation (--valid-data) and clean errors for bad input."""
+LLEP == plain EP on the DeepSeek-V3 architecture in training and validation, pipeline
+parallelism, the wandb dashboard read back from the offline run file, validation (--valid-data)
+and clean errors for bad input."""
 
 import glob
 import json
@@ -36,13 +37,9 @@ def _history(wandb_dir):
     return {row["_step"]: row for row in read_history(runs[0])}, runs[0]
 
 
-def test_main_job_trains_and_reports_llep():
-    lines = _ok(_torchrun("--train-iters", "2", "--force-routing", "0.9:4"))
-    assert len(lines) == 2
-    assert "tokens/s" in lines[-1] and "TFLOP/s/GPU" in lines[-1] and "LLEP 2/2 layers spilled" in lines[-1]
-
-
 def test_resume_is_exact_and_wandb_logs_the_dashboard(tmp_path):
+    """The README's main job (forced routing, LLEP on) reports throughput and LLEP's work, resumes
+    bitwise from its checkpoint, and logs the dashboard to wandb's offline run."""
     common = [*SMALL, "--global-batch-size", "8", "--train-iters", "4", "--force-routing", "0.9:4",
               "--wandb-project", "llep-test", "--heatmap-interval", "2"]
     straight = _ok(_torchrun(*common, "--wandb-save-dir", str(tmp_path / "w_straight")))
@@ -51,6 +48,7 @@ def test_resume_is_exact_and_wandb_logs_the_dashboard(tmp_path):
     _ok(_torchrun(*common[:-4], "--exit-interval", "2", "--save", ckpt))
     resumed = _ok(_torchrun(*common, "--save", ckpt, "--load", ckpt, "--wandb-save-dir", str(tmp_path / "w_resumed")))
     assert len(straight) == 4 and len(resumed) == 2
+    assert "tokens/s" in straight[-1] and "TFLOP/s/GPU" in straight[-1] and "LLEP 2/2 layers spilled" in straight[-1]
 
     reference, run_dir = _history(tmp_path / "w_straight")
     continued, _ = _history(tmp_path / "w_resumed")
@@ -91,20 +89,6 @@ def test_gradient_accumulation_equals_one_large_micro_batch(tmp_path):
     for step in (1, 2):
         assert accum[step]["train/loss"] == pytest.approx(single[step]["train/loss"], rel=1e-6)
         assert accum[step]["train/grad_norm"] == pytest.approx(single[step]["train/grad_norm"], rel=1e-5)
-
-
-def test_llep_equals_plain_ep_on_deepseek_v3_architecture(tmp_path):
-    """MLA, shared expert, sigmoid routing with expert bias and an MTP layer: LLEP spills and
-    trains exactly as Megatron's plain EP."""
-    common = [*SMALL, "--recipe", "deepseek-v3-tiny", "--train-iters", "2", "--force-routing", "0.9:4",
-              "--wandb-project", "t"]
-    llep = _ok(_torchrun(*common, "--wandb-save-dir", str(tmp_path / "llep")))
-    _ok(_torchrun(*common, "--no-llep", "--wandb-save-dir", str(tmp_path / "plain")))
-    assert "LLEP 4/4 layers spilled" in llep[-1]  # 3 decoder MoE layers and the MTP layer's
-    with_llep, plain = _history(tmp_path / "llep")[0], _history(tmp_path / "plain")[0]
-    for step in (1, 2):
-        assert with_llep[step]["train/loss"] == pytest.approx(plain[step]["train/loss"], rel=1e-6)
-        assert with_llep[step]["train/grad_norm"] == pytest.approx(plain[step]["train/grad_norm"], rel=1e-5)
 
 
 def test_pipeline_parallel_deepseek_v3_architecture():
@@ -231,36 +215,43 @@ def test_validation_loss_is_reported_at_the_eval_steps(tmp_path):
     assert f"validation loss {history[3]['valid/loss']:.4f}" in done
 
 
-def test_validation_with_llep_equals_plain_ep(tmp_path):
-    """90% of the tokens forced into 4 hot experts (evaluation forwards too): LLEP spills while
-    evaluating and gives plain EP's validation loss. Evaluating in between log steps leaves the
-    training metrics as without it; another validation file gives another loss (the comparison
-    is sensitive)."""
+def test_llep_equals_plain_ep_on_deepseek_v3_architecture_in_training_and_validation(tmp_path):
+    """DeepSeek-V3's architecture (MLA, shared expert, sigmoid routing with expert bias and an MTP
+    layer), 90% of the tokens forced into 4 hot experts (evaluation forwards too): LLEP spills in
+    every MoE layer, training and evaluating, and gives plain EP's losses and gradient norms.
+    Evaluating in between log steps leaves the training metrics as without it; another validation
+    file gives another loss (the comparison is sensitive)."""
     records = [{"prompt": "What is the capital of France?", "response": "Paris is the capital of France."},
                {"messages": [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}]},
                {"text": "Validation text about experts, routers and load balancing across ranks."}]
     valid, other = tmp_path / "valid.jsonl", tmp_path / "other.jsonl"
     valid.write_text("".join(json.dumps(r) + "\n" for r in records * 3))
     other.write_text("".join(json.dumps({"text": r["text"].upper()}) + "\n" for r in records[2:] * 6))
-    common = [*SMALL, "--train-iters", "2", "--log-interval", "2", "--force-routing", "0.9:4", "--eval-iters", "2",
-              "--wandb-project", "t"]
+    common = [*SMALL, "--recipe", "deepseek-v3-tiny", "--train-iters", "2", "--log-interval", "2", "--force-routing",
+              "0.9:4", "--eval-iters", "2", "--wandb-project", "t"]
     llep = _torchrun(*common, "--valid-data", str(valid), "--eval-interval", "1",
                      "--wandb-save-dir", str(tmp_path / "llep"))
     plain = _torchrun(*common, "--valid-data", str(valid), "--eval-interval", "1", "--no-llep",
                       "--wandb-save-dir", str(tmp_path / "plain"))
     elsewhere = _torchrun(*common, "--valid-data", str(other), "--wandb-save-dir", str(tmp_path / "other"))
-    for proc in (llep, plain, elsewhere):
-        _ok(proc)
+    steps = _ok(llep)
+    _ok(plain), _ok(elsewhere)
+    assert "LLEP 4/4 layers spilled" in steps[-1]  # 3 decoder MoE layers and the MTP layer's
     evaluations = _validation_lines(llep)
-    assert len(evaluations) == 2 and all("LLEP 2/2 layers spilled" in line for line in evaluations), evaluations
+    assert len(evaluations) == 2 and all("layers spilled" in line for line in evaluations), evaluations
     with_llep, without, control = (_history(tmp_path / name)[0] for name in ("llep", "plain", "other"))
+    # step 2's logged loss and gradient norm follow from step 1's update (--log-interval 2: step 2 alone is logged)
+    assert with_llep[2]["train/loss"] == pytest.approx(without[2]["train/loss"], rel=1e-6)
+    assert with_llep[2]["train/grad_norm"] == pytest.approx(without[2]["train/grad_norm"], rel=1e-5)
     for step in (1, 2):
         assert with_llep[step]["valid/loss"] == pytest.approx(without[step]["valid/loss"], rel=1e-6)
         assert with_llep[step]["valid/tokens"] == without[step]["valid/tokens"] > 0
     assert abs(control[2]["valid/loss"] / with_llep[2]["valid/loss"] - 1) > 1e-3
     # the step-1 evaluation ran before the step-2 log, the control's only after it: the same training metrics
-    for key in ("train/loss", "train/grad_norm", "moe/layer_1/spilled_tokens", "moe/layer_2/max_mean_before",
-                "moe/layer_2/max_mean_load"):
+    moe_keys = sorted(key for key in with_llep[2] if key.startswith("moe/layer_") and key.endswith((
+        "/spilled_tokens", "/max_mean_before", "/max_mean_load")))
+    assert len(moe_keys) == 3 * 4, moe_keys
+    for key in ("train/loss", "train/grad_norm", *moe_keys):
         assert with_llep[2][key] == control[2][key], key
 
 

@@ -28,6 +28,7 @@ import safetensors.torch
 import torch
 
 from megatron_llep import writable
+from megatron_llep.placement import ExpertPlacement
 from megatron_llep.testing import full_disk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -270,6 +271,8 @@ def cases(tmp_path_factory) -> dict:
     (out / "not_json.json").write_text("not json\n")
     (out / "list.json").write_text("[1, 2]\n")
     (out / "some_dir").mkdir()
+    (out / "empty_ckpt").mkdir()
+    ExpertPlacement(8, 2, {n: list(range(8)) for n in (1, 2, 9)}).save(str(out / "layer_9.json"))  # tiny: MoE 1, 2
     (out / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "broken"\n')
     (out / "hf_tiny").mkdir()  # a Hugging Face directory whose config.json and file layout pass the first checks
     _hf_config_of_tiny(out / "hf_tiny" / "config.json")
@@ -337,6 +340,9 @@ def cases(tmp_path_factory) -> dict:
         # a valid config.json (checked first, before any process group), then the held --out
         "hf_import_lock_held": {"entry": "recipes.hf.__main__", "argv": ["import", "--hf", f"{out}/hf_tiny",
                                                                          "--recipe", "gpt-oss-tiny", "--out", held]},
+        "evaluate_no_checkpoint": {"entry": "recipes.evaluate", "argv": [*SMALL, "--load", f"{out}/empty_ckpt"]},
+        "evaluate_placement_layer": {"entry": "recipes.evaluate", "argv": [*evaluate, "--llep-placement",
+                                                                           f"{out}/layer_9.json"]},
         "evaluate_bin_truncated": {"entry": "recipes.evaluate", "argv": [*evaluate, "--data", cut_bin]},
         "evaluate_idx_truncated": {"entry": "recipes.evaluate", "argv": [*evaluate, "--data", cut_idx]},
         "hf_export_nan": {"entry": "recipes.hf.__main__", "argv": ["export", "--load", ckpt, "--out", f"{out}/hf",
@@ -452,6 +458,10 @@ BAD_INPUT_CASES = [
                                            "project (an array), so whether a run uses the directory cannot be told: "
                                            "remove it if none does, then start again"),
     ("hf_import_lock_held", "[recipes.hf]", 2, "--out {out}/held is in use by another run (pid {pid} on this host"),
+    ("evaluate_no_checkpoint", "[evaluate]", 2, "no checkpoint at '{out}/empty_ckpt' (neither "
+                                               "latest_checkpointed_iteration.txt nor a dist_checkpointing directory)"),
+    ("evaluate_placement_layer", "[evaluate]", 2, "--llep-placement {out}/layer_9.json: the model has no MoE layer 9 "
+                                                 "(its MoE layers: 1, 2); is it this model's file?"),
     ("evaluate_bin_truncated", "[evaluate]", 2, "--data {out}/cut_bin: {out}/cut_bin.bin has {cut_bin:,} bytes, but "
                                                "{out}/cut_bin.idx indexes {bin:,}: the .bin is truncated"),
     ("evaluate_idx_truncated", "[evaluate]", 2, "--data {out}/cut_idx: {out}/cut_idx.idx has {cut_idx:,} bytes, but its "

@@ -17,6 +17,8 @@ from recipes.runtime.sft_data import (
     read_sft_jsonl,
 )
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 
 def _write(tmp_path, lines, name="sft.jsonl"):
     path = tmp_path / name

@@ -26,6 +26,8 @@ from recipes.hf.quantization import (FP4_E2M1_VALUES, dequantize_fp8_blockwise, 
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight  # noqa: E402
 from transformers.integrations.mxfp4 import FP4_VALUES, Mxfp4Dequantize, convert_moe_packed_tensors  # noqa: E402
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 FP8_MAX = 448.0
 

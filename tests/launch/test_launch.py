@@ -15,6 +15,8 @@ sys.path.insert(0, ROOT)
 
 from recipes.runtime.launch_env import expand_hostlist, first_host, rendezvous_env_from_slurm  # noqa: E402
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 FINETUNE_ARGS = ["--train-iters", "2", "--seq-length", "16", "--micro-batch-size", "1"]
 SCRIPTS = ["launch/env.sh", "launch/torchrun.sh", "launch/slurm.sbatch", "launch/local_slurm/start.sh",
            "launch/local_slurm/stop.sh"]

@@ -26,6 +26,8 @@ from megatron_llep.integrations.routing_traces import _Reservoir
 from megatron_llep.placement.replication import eplb_placement, route_with_replicas
 from megatron_llep.placement.trace import RoutingTrace, clustered_topk, merge_traces, planted_clusters, synthetic_trace
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 SETTINGS = settings(max_examples=25, deadline=None)
 
 

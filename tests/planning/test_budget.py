@@ -16,6 +16,8 @@ from megatron_llep.planning.cost_model import CostModel, ExpertShape
 from megatron_llep.runtime.statistics import LLEPStatsTracker, LLEPStepStats, budget_phrase, merge_layer_statistic
 from megatron_llep.planning import InfeasibleBudgetError, plan_llep, rank_loads
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 SHAPE = ExpertShape(hidden_size=64, ffn_hidden_size=64, bias=True)
 COST_MODELS = [CostModel(), CostModel.cpu(), CostModel(intra_node_gbps=1e-6, inter_node_gbps=1e-6)]
 ROUTINGS = ("uniform", "skewed", "one_expert", "below_lambda", "sparse")

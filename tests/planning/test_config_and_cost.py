@@ -7,6 +7,8 @@ import pytest
 from megatron_llep.config import LLEPConfig
 from megatron_llep.planning.cost_model import CostModel, ExpertShape
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 
 @pytest.mark.parametrize(
     "kwargs, message",

@@ -13,6 +13,8 @@ from megatron_llep.planning import plan_llep
 import planner_copies  # noqa: E402
 from common import FULL_SHAPES, SCENARIOS, sample_counts  # noqa: E402
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 
 @st.composite
 def inputs(draw):

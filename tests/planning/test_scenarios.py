@@ -5,6 +5,8 @@ import pytest
 
 from megatron_llep.planning.scenarios import imbalanced_topk
 
+pytestmark = pytest.mark.release_independent  # .ci/run tests it on one Megatron-Core release
+
 
 @pytest.mark.parametrize("f, h, k", [(0.95, 1, 4), (0.8, 4, 4), (0.5, 16, 8), (0.3, 2, 1)])
 def test_hot_fraction_and_distinct_choices(f, h, k):
