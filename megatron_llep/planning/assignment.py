@@ -38,11 +38,16 @@ def least_loaded_assignment(
     config: LLEPConfig,
     held: Optional[dict[int, tuple[int, ...]]] = None,
     repacked: bool = True,
+    supply_first: bool = False,
 ) -> dict[int, list[tuple[int, int]]]:
     """LLA/LLAS. Returns ``{expert: [(dst, tokens), ...]}`` for experts that leave their native rank.
 
     ``held[e]``: ranks that already keep a copy of ``e``; they are its first helpers (a spill there
     moves no weights). ``repacked``: with ``config.repack_copies``, end with :func:`repack`.
+    ``supply_first``: across nodes, helpers are tried node by node in descending order of the
+    expert's tokens routed inside the node beyond what the node already computes of it (the native
+    node's keep counted), rather than native node first: a node that routes many of a hot expert's
+    tokens computes them itself, so fewer of them cross nodes (one weight copy crosses instead).
 
     Plain Python ints on purpose: the loop is short and numpy's per-call overhead would dominate.
     """
@@ -61,6 +66,8 @@ def least_loaded_assignment(
     floor = math.floor
     one_node = ranks_per_node >= ep
     node_of = [g // ranks_per_node for g in range(ep)]
+    if supply_first and not one_node:  # [expert][node]: the expert's tokens routed inside each node
+        node_supply = counts.reshape(ep // ranks_per_node, ranks_per_node, num_experts).sum(axis=1).T.tolist()
 
     def visit_keys(g: int) -> list[int]:
         """Keys of rank g's loaded experts; ascending keys are descending loads, ties by id."""
@@ -100,9 +107,18 @@ def least_loaded_assignment(
         candidates = sorted(open_ranks, key=effective.__getitem__)
         if not one_node:
             home = node_of[n]
-            candidates = [g for g in candidates if node_of[g] == home] + [
-                g for g in candidates if node_of[g] != home
-            ]
+            if supply_first:
+                unmet = list(node_supply[e])
+                unmet[home] -= keep
+                by_node: list[list[int]] = [[] for _ in unmet]
+                for g in candidates:
+                    by_node[node_of[g]].append(g)
+                candidates = [g for node in sorted(range(len(unmet)), key=lambda x: (-unmet[x], x != home, x))
+                              for g in by_node[node]]
+            else:
+                candidates = [g for g in candidates if node_of[g] == home] + [
+                    g for g in candidates if node_of[g] != home
+                ]
         holders = held.get(e) if held else None
         if holders:
             near = {node_of[g] for g in holders} | {node_of[n]}
@@ -425,7 +441,7 @@ def mark_copies(rows: list[list[int]], copy_rows: list[int], local: int, rules: 
 
 
 def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray,
-              ranks_per_node: Optional[int] = None) -> np.ndarray:
+              ranks_per_node: Optional[int] = None, slot_candidate: Optional[np.ndarray] = None) -> np.ndarray:
     """Decide which source sends how many tokens of each spilled expert to each destination.
 
     ``splits`` is ``[8, rows]`` from :func:`split_rows` (slot, expert, destination, tokens, ...): how
@@ -433,8 +449,11 @@ def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray,
     ``[5, chunks]`` rows (expert, src, dst, count, slot). Each destination first takes its own
     routed tokens; with ``ranks_per_node`` below the EP size, then tokens routed inside its node
     (per slot and node, as much as the node's supply and demand match, shared among the node's
-    sources and destinations in proportion to what each has left, so what must cross is spread over
-    the node's ranks rather than piled on the last ones); the rest of every slot's
+    sources in proportion to what each has left; what the node's destinations must still receive
+    from other nodes goes to those with the fewest rows arriving across nodes so far, water-filling
+    (:func:`_crossing_by_level`), so no helper's cross-node link is loaded while another of its
+    node idles; ``slot_candidate[slot]`` says which plan a slot belongs to, each plan filled
+    alone); the rest of every slot's
     supply is matched to the rest of its demand in rank order (north-west corner) — all slots at
     once, since the running sums of supply and demand meet at every slot (and slot-node)
     boundary. So no more of a slot's tokens cross nodes than its demand outside each node exceeds
@@ -457,7 +476,9 @@ def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray,
         groups = experts.size * nodes
         matched = np.minimum(np.bincount(supply_group, supply, groups), np.bincount(demand_group, need, groups))
         take_supply = _even_share(supply, supply_group, matched, groups)
-        take_demand = _even_share(need, demand_group, matched, groups)
+        candidate = np.zeros(experts.size, np.int64) if slot_candidate is None else slot_candidate
+        take_demand = need - _crossing_by_level(counts, need, demand_group, matched, split_dst, experts, candidate,
+                                                per_node)
         if take_supply.any():
             parts.append(_northwest(take_supply, take_demand, split_dst, experts, ep))
             supply = supply - take_supply
@@ -465,6 +486,73 @@ def transport(counts: np.ndarray, splits: np.ndarray, experts: np.ndarray,
     if supply.any():
         parts.append(_northwest(supply, need, split_dst, experts, ep))
     return np.concatenate(parts, axis=1)
+
+
+def _crossing_by_level(counts: np.ndarray, need: np.ndarray, demand_group: np.ndarray, matched: np.ndarray,
+                       split_dst: np.ndarray, experts: np.ndarray, slot_candidate: np.ndarray,
+                       per_node: int) -> np.ndarray:
+    """Per split row, how many of the rows it still needs come from other nodes. Per (slot, node)
+    group, that is the group's need beyond what the node supplies (``matched``); it is given to
+    the group's destinations by water-filling their rows arriving across nodes so far (plain EP's
+    for the experts the plan does not spill, then the plan's slots before this one), each at most
+    its need, ties to the lower rank. A few destinations per group: plain Python."""
+    ep, num_experts = counts.shape
+    nodes, local = ep // per_node, num_experts // ep
+    native = np.arange(num_experts) // local
+    # plain EP's rows arriving across nodes, per expert and per rank
+    from_other_nodes = counts.sum(axis=0) - counts.reshape(nodes, per_node, num_experts).sum(axis=1)[
+        native // per_node, np.arange(num_experts)]
+    plain_in = np.bincount(native, from_other_nodes, ep).astype(np.int64)
+    excess = (np.bincount(demand_group, need, experts.size * nodes) - matched).astype(np.int64)
+    groups = np.flatnonzero(excess > 0)
+    if not groups.size:
+        return np.zeros(need.size, np.int64)
+    crossing = [0] * need.size
+    starts = np.searchsorted(demand_group, groups).tolist()
+    ends = np.searchsorted(demand_group, groups, side="right").tolist()
+    need_list, dst_list, excess_list = need.tolist(), split_dst.tolist(), excess[groups].tolist()
+    candidates = slot_candidate.tolist()
+    owner = None
+    for g, start, end, amount in zip((groups // nodes).tolist(), starts, ends, excess_list):
+        if candidates[g] != owner:  # a new plan: its unspilled experts' plain-EP arrivals
+            owner = candidates[g]
+            mine = experts[slot_candidate == owner]
+            level = (plain_in - np.bincount(native[mine], from_other_nodes[mine], ep).astype(np.int64)).tolist()
+        rows = [r for r in range(start, end) if need_list[r] > 0]
+        for r, rise in zip(rows, _water_fill([level[dst_list[r]] for r in rows], [need_list[r] for r in rows], amount)):
+            crossing[r] = rise
+            level[dst_list[r]] += rise
+    return np.array(crossing, np.int64)
+
+
+def _water_fill(levels: list[int], caps: list[int], amount: int) -> list[int]:
+    """Integers ``rise[i]`` in ``[0, caps[i]]`` summing to ``amount`` (at most ``sum(caps)``) that
+    raise the lowest ``levels`` first: every ``levels[i] + rise[i]`` is the water level ``W`` or
+    ``W + 1`` unless its cap or its own level stops it, the ``+ 1``s to the first entries. ``W`` is
+    found in one pass over the levels at which an entry starts and stops rising."""
+    if len(levels) == 1:
+        return [amount]
+    events = sorted([(level, 1) for level in levels] + [(level + cap, -1) for level, cap in zip(levels, caps)])
+    filled, slope, at, water = 0, 0, events[0][0], None
+    for position, change in events:
+        if position != at:
+            reached = filled + slope * (position - at)
+            if reached >= amount:  # W: the highest level up to which the rises sum to at most amount
+                water = at + (amount - filled) // slope
+                break
+            filled, at = reached, position
+        slope += change
+    if water is None:
+        water = at
+    rise = [min(cap, max(0, water - level)) for level, cap in zip(levels, caps)]
+    left = amount - sum(rise)
+    for i, (level, cap) in enumerate(zip(levels, caps)):
+        if left == 0:
+            break
+        if level + rise[i] == water and rise[i] < cap:
+            rise[i] += 1
+            left -= 1
+    return rise
 
 
 def _even_share(values: np.ndarray, group: np.ndarray, share: np.ndarray, groups: int) -> np.ndarray:

@@ -41,8 +41,10 @@ predicted layer time is lowest (:class:`LayerTimeModel`: the token dispatch all-
 rank's native GEMMs and its borrowed GEMMs wave by wave as the weight copies arrive, then the
 combine all-to-all; every rank's links run in parallel, intra- and inter-node links separately).
 The candidates are plain EP, the plain least-loaded plan at ``alpha`` (exactly what
-``cost_aware=False`` returns) and least-loaded plans at raised capacities (fewer, fuller helpers: fewer weight copies, more GEMM time on the slowest rank),
-so a cost-aware plan is never predicted slower than either plain plan (under a budget, plain EP
+``cost_aware=False`` returns), least-loaded plans at raised capacities (fewer, fuller helpers: fewer weight copies, more GEMM time on the slowest rank)
+and, across nodes with node-aware tokens, the least-loaded plan at ``alpha`` whose helpers are
+tried node by node where the expert's tokens are routed (``supply_first``: fewer token rows cross
+nodes, a weight copy crosses instead), so a cost-aware plan is never predicted slower than either plain plan (under a budget, plain EP
 is a candidate only within it and raised capacities stop at it). Ties keep the plain
 least-loaded plan, then plain EP. No decision is taken chunk by chunk: a spill that does not pay
 for itself in isolation can still shorten the slowest rank, and vice versa.
@@ -178,6 +180,9 @@ def _cheapest_plan(
     then least-loaded plans at capacities raised by :data:`_CAPACITY_RUNGS` (at most to the budget). A raised capacity lets ranks fill further past the mean before
     spilling, so a hot expert needs fewer helpers: fewer weight copies (its native rank sends one
     per helper over its own links) and, at the cost of a slower slowest rank, less token traffic.
+    Across nodes with node-aware tokens, last, the least-loaded plan at ``capacity`` with helpers
+    where the expert's tokens are routed (not repacked: repacking moves experts between helpers
+    and would undo the match of helpers to tokens).
     All candidates are priced by the same model in one vectorised pass, so the result is never
     predicted slower than plain EP or the plain least-loaded plan.
     """
@@ -197,8 +202,15 @@ def _cheapest_plan(
             capacities.append(raised)
             candidates.append(more)
             slots, last = slots + len(more), len(more)
+    if _transport_nodes(config) is not None and config.ranks_per_node < counts.shape[0]:
+        # helpers where the expert's tokens are routed, rather than native node first
+        matched = least_loaded_assignment(counts, loads, before, capacity, config, copies.held, repacked=False,
+                                          supply_first=True)
+        if matched and matched != splits:
+            capacities.append(capacity)
+            candidates.append(matched)
     rows, spilled, slot_candidate = split_rows(candidates, local, copies)
-    chunks = transport(counts, rows, spilled, _transport_nodes(config))
+    chunks = transport(counts, rows, spilled, _transport_nodes(config), slot_candidate)
     timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
     phases = timer._candidate_phases(rows, spilled, chunks, slot_candidate, len(candidates))
     times = [sum(candidate) for candidate in phases]
