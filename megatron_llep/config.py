@@ -105,9 +105,11 @@ class LLEPConfig:
         node_aware_tokens: across nodes (``ranks_per_node`` below the EP size), a spilled
             expert's tokens are matched to the ranks that compute them inside each node first (a
             helper in another node than the native rank's serves that node's own tokens, which
-            plain EP sends across), and what must cross is spread over a node's ranks in
-            proportion to their share, so no rank's cross-node link takes the whole remainder.
-            ``False``: tokens matched in rank order.
+            plain EP sends across), and what a node's ranks must still receive from other nodes
+            goes to those that receive the fewest rows across nodes so far (water-filling), so no
+            rank's cross-node link takes the whole remainder; cost-aware plans across nodes also
+            weigh a plan whose helpers sit where each hot expert's tokens are routed.
+            ``False``: tokens matched in rank order, helpers in the native node first.
         repack_copies: after least-loaded assignment, refill the tokens each home rank sends each
             helper from its experts largest first into the largest quota (MoonEP's planning rule),
             keeping the remainders at home, where that needs fewer weight copies; every rank's
