@@ -44,6 +44,9 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MailProg=/bin/true
 ReturnToService=2
+# completed jobs are forgotten after 4 s, so sbatch --wait keeps polling every 2 s (it backs off to
+# 32 s while MinJobAge, default 300 s, allows), returning about when the job ends
+MinJobAge=4
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
