@@ -202,7 +202,8 @@ def _cheapest_plan(
             capacities.append(raised)
             candidates.append(more)
             slots, last = slots + len(more), len(more)
-    if _transport_nodes(config) is not None and config.ranks_per_node < counts.shape[0]:
+    per_node = _transport_nodes(config)
+    if per_node is not None and per_node < counts.shape[0]:
         # helpers where the expert's tokens are routed, rather than native node first
         matched = least_loaded_assignment(counts, loads, before, capacity, config, copies.held, repacked=False,
                                           supply_first=True)
@@ -210,7 +211,7 @@ def _cheapest_plan(
             capacities.append(capacity)
             candidates.append(matched)
     rows, spilled, slot_candidate = split_rows(candidates, local, copies)
-    chunks = transport(counts, rows, spilled, _transport_nodes(config), slot_candidate)
+    chunks = transport(counts, rows, spilled, per_node, slot_candidate)
     timer = LayerTimeModel(counts, local, shape, config.cost_model, config.ranks_per_node)
     phases = timer._candidate_phases(rows, spilled, chunks, slot_candidate, len(candidates))
     times = [sum(candidate) for candidate in phases]

@@ -235,7 +235,8 @@ def test_llep_equals_plain_ep_on_deepseek_v3_architecture_in_training_and_valida
                       "--wandb-save-dir", str(tmp_path / "plain"))
     elsewhere = _torchrun(*common, "--valid-data", str(other), "--wandb-save-dir", str(tmp_path / "other"))
     steps = _ok(llep)
-    _ok(plain), _ok(elsewhere)
+    _ok(plain)
+    _ok(elsewhere)
     assert "LLEP 4/4 layers spilled" in steps[-1]  # 3 decoder MoE layers and the MTP layer's
     evaluations = _validation_lines(llep)
     assert len(evaluations) == 2 and all("layers spilled" in line for line in evaluations), evaluations
