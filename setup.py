@@ -1,6 +1,13 @@
 """Packaging of megatron-llep: the library, the recipes (entry points and what they share) and their extras."""
 
+from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+
+# The spill planner's compiled core (the plan is on every MoE layer's critical path). optional: without a C++
+# compiler the install still succeeds and megatron_llep.planning plans with its Python reference (same plans).
+SPILL_CORE = Pybind11Extension("megatron_llep.planning._spill_core", ["megatron_llep/planning/_spill_core.cpp"],
+                               cxx_std=17, extra_compile_args=["-O2"])
+SPILL_CORE.optional = True
 
 setup(
     name="megatron-llep",
@@ -9,6 +16,8 @@ setup(
     # recipes/ (the entry points and what they share) is installed too, so no entry point edits sys.path
     packages=find_packages(include=["megatron_llep", "megatron_llep.*", "recipes", "recipes.*"]),
     package_data={"recipes": ["data/*.json", "data/*.jsonl", "data/routing_traces/*"]},
+    ext_modules=[SPILL_CORE],
+    cmdclass={"build_ext": build_ext},
     python_requires=">=3.10",
     install_requires=[
         # torch 2.13.0's CPU wheel is what the CPU CI uses; any 2.x Megatron-Core 0.16 supports works

@@ -16,8 +16,9 @@ remaining quota.
 
 Time. :func:`plan_llep` with the library's defaults (cost-aware, m = 1024, lambda 1.3, 8 ranks a
 node) at Kimi-K2's N = 384 and P = 64 on every forced scenario and every PR #7488 workload: the least
-of ``--repeats`` calls
-(on a quiet machine: the host's load average is recorded beside it).
+of ``--repeats`` calls (on a quiet machine: the host's load average is recorded beside it), from
+the compiled planner and, alternating with it, from the Python reference it was written from
+(the same plans; ``python_plan_min_ms``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 
 import numpy as np
 
+import megatron_llep.planning.planner as planner
 from common import FULL_SHAPES, KIMI_K2, SCENARIOS, print_table, sample_counts, write_results
 from plan_model import RANKS_PER_NODE, expert_shape
 
@@ -140,17 +142,22 @@ def timing_rows(repeats: int, seed: int) -> list[dict]:
     points = [("forced", scenario.label, sample_counts(shape, ep, scenario, seed)) for scenario in SCENARIOS]
     points += [("pr7488", workload, workload_counts(shape, ep, workload, seed)) for workload in TOKEN_IMBALANCE_WORKLOADS]
     es = expert_shape(shape)
+    compiled = planner._spill_core
     for routing, label, counts in points:
         plan_llep(counts, config, es)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            plan_llep(counts, config, es)
-            times.append(time.perf_counter() - start)
+        times, python_times = [], []
+        for _ in range(repeats):  # the two planners alternate, so a busy moment hits both
+            for core, out in ((compiled, times), (None, python_times)):
+                planner._spill_core = core
+                start = time.perf_counter()
+                plan_llep(counts, config, es)
+                out.append(time.perf_counter() - start)
+        planner._spill_core = compiled
         plan = plan_llep(counts, config, es)
         rows.append({"routing": routing, "point": f"{shape.name} {label}", "ep": ep,
-                     "num_experts": shape.num_experts, "plan_min_ms": min(times) * 1e3,
-                     "plan_median_ms": float(np.median(times)) * 1e3, "spilled_experts": int(plan.spilled_experts.size),
+                     "num_experts": shape.num_experts, "compiled": compiled is not None,
+                     "plan_min_ms": min(times) * 1e3, "plan_median_ms": float(np.median(times)) * 1e3,
+                     "python_plan_min_ms": min(python_times) * 1e3, "spilled_experts": int(plan.spilled_experts.size),
                      "weight_copies": plan.num_weight_transfers})
     return rows
 
@@ -166,7 +173,8 @@ def main() -> None:
     load_after = os.getloadavg()
     print_table(timing, [("routing", "routing", ""), ("point", "point", ""), ("ep", "P", "d"), ("num_experts", "N", "d"),
                          ("spilled_experts", "spilled", "d"), ("weight_copies", "copies", "d"),
-                         ("plan_min_ms", "plan ms (min)", ".3f"), ("plan_median_ms", "plan ms (median)", ".3f")])
+                         ("plan_min_ms", "plan ms (min)", ".3f"), ("plan_median_ms", "plan ms (median)", ".3f"),
+                         ("python_plan_min_ms", "Python planner ms (min)", ".3f")])
     print(f"load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}\n")
     copies = forced_copy_rows(args.seed) + workload_copy_rows(args.seed) + trace_copy_rows(args.seed)
     print_table(copies, [("routing", "routing", ""), ("point", "point", ""), ("ep", "P", "d"),
@@ -179,7 +187,10 @@ def main() -> None:
             print(f"{routing} P = {ep}: mean copies LLEP {np.mean([r['llep_copies'] for r in group]):.1f}, MoonEP rule "
                   f"{np.mean([r['moonep_copies'] for r in group]):.1f}; LLEP makes more at "
                   f"{sum(r['llep_minus_moonep'] > 0 for r in group)} of {len(group)} points")
-    print(f"planner at N = 384, P = 64: slowest min-of-{args.repeats} {max(r['plan_min_ms'] for r in timing):.3f} ms")
+    which = "compiled" if planner.COMPILED_PLANNER else "Python (the compiled planner is not built)"
+    print(f"planner ({which}) at N = 384, P = 64: slowest min-of-{args.repeats} "
+          f"{max(r['plan_min_ms'] for r in timing):.3f} ms; the Python planner's "
+          f"{max(r['python_plan_min_ms'] for r in timing):.3f} ms")
     write_results(args.out, "planner_copies", timing + copies,
                   {**vars(args), "load_average": [load_before, load_after], "ranks_per_node": RANKS_PER_NODE})
 

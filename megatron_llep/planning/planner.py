@@ -48,6 +48,12 @@ nodes, a weight copy crosses instead), so a cost-aware plan is never predicted s
 is a candidate only within it and raised capacities stop at it). Ties keep the plain
 least-loaded plan, then plain EP. No decision is taken chunk by chunk: a spill that does not pay
 for itself in isolation can still shorten the slowest rank, and vice versa.
+
+The plan is on every MoE layer's critical path (between the count exchange and the token
+all-to-all), so setup.py compiles the spill planning above into ``_spill_core`` (C++17, pybind11):
+0.05-0.25 ms at N = 384, P = 64 where this Python takes 1-4 ms (benchmarks/planner_copies.py).
+The Python functions here and in ``assignment`` and ``time_model`` stay the reference it is held
+to, plan for plan, and plan where no compiler was available at install.
 """
 
 from __future__ import annotations
@@ -64,6 +70,16 @@ from megatron_llep.planning.time_model import LayerTimeModel
 
 if TYPE_CHECKING:  # the config holds a CostModel of this package: imported for annotations only
     from megatron_llep.config import LLEPConfig
+
+try:  # built by setup.py from _spill_core.cpp; without a C++ compiler at install, the Python reference plans
+    from megatron_llep.planning import _spill_core
+except ImportError:
+    _spill_core = None
+
+COMPILED_PLANNER = _spill_core is not None
+"""Whether plans come from the compiled core (the same plans as the Python reference, 10-30x faster)."""
+
+_NO_HOLDERS = np.zeros(0, np.int64)
 
 
 def plan_llep(
@@ -116,22 +132,44 @@ def plan_llep(
     if total == 0 or ep == 1 or (before.max() * ep < config.imbalance_threshold * total and within_budget):
         plan = LLEPPlan(counts, local, capacity, before, before.copy(), fallback=True)
     else:
-        plan = _spill_plan(counts, loads, local, before, capacity, config, expert_shape, copies)
+        plan = _spill_plan(counts, loads, local, before, capacity, config, expert_shape, copies, held)
     plan.budget = budget
     return plan
 
 
-def _spill_plan(
-    counts: np.ndarray,
-    loads: np.ndarray,
-    local: int,
-    before: np.ndarray,
-    capacity: float,
-    config: LLEPConfig,
-    expert_shape: Optional[ExpertShape],
-    copies: CopyRules,
-) -> LLEPPlan:
-    """The least-loaded plan at ``capacity`` (or, cost-aware, the cheapest candidate)."""
+def _spill_plan(counts: np.ndarray, loads: np.ndarray, local: int, before: np.ndarray, capacity: float,
+                config: LLEPConfig, expert_shape: Optional[ExpertShape], copies: CopyRules,
+                held: Optional[np.ndarray] = None) -> LLEPPlan:
+    """The least-loaded plan at ``capacity`` (or, cost-aware, the cheapest candidate): from the
+    compiled core when it is built (:data:`COMPILED_PLANNER`), else from the Python reference
+    (:func:`_spill_plan_reference`, the same plans)."""
+    if _spill_core is None:
+        return _spill_plan_reference(counts, loads, local, before, capacity, config, expert_shape, copies)
+    if held is not None and copies.held:
+        held_experts, held_ranks = np.nonzero(held)
+    else:
+        held_experts = held_ranks = _NO_HOLDERS
+    pricing = None
+    if config.cost_aware:
+        model = config.cost_model
+        gemm_a, gemm_b = model.gemm_coefficients(expert_shape)
+        scale = 2.0 if model.training else 1.0
+        pricing = (gemm_a, gemm_b, expert_shape.token_bytes * scale, expert_shape.weight_bytes * scale,
+                   model.intra_node_gbps, model.inter_node_gbps, model.link_latency_s)
+    chosen = _spill_core.spill_plan(
+        counts, loads, before, local, float(capacity), config.min_chunk_tokens, config.max_tokens_per_rank,
+        copies.ranks_per_node, _transport_nodes(config) or 0, config.repack_copies, copies.relay, held_experts,
+        held_ranks, copies.keep_room, config.cost_aware, pricing, _CAPACITY_RUNGS, _SEARCH_GATE, _SEARCH_SLOTS)
+    if chosen is None or chosen[1] is None:  # nothing spills, or plain EP is predicted fastest
+        return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
+    chosen_capacity, rows, spilled, chunks = chosen
+    return build_plan(counts, loads, local, chosen_capacity, before, rows, spilled, chunks)
+
+
+def _spill_plan_reference(counts: np.ndarray, loads: np.ndarray, local: int, before: np.ndarray, capacity: float,
+                          config: LLEPConfig, expert_shape: Optional[ExpertShape], copies: CopyRules) -> LLEPPlan:
+    """:func:`_spill_plan` in Python: the reference the compiled core is held to, plan for plan
+    (tests/planning/test_spill_core.py), and the planner where the core is not built."""
     splits = least_loaded_assignment(counts, loads, before, capacity, config, copies.held)
     if not splits:
         return LLEPPlan(counts, local, capacity, before, before.copy(), fallback=False)
