@@ -16,9 +16,9 @@ remaining quota.
 
 Time. :func:`plan_llep` with the library's defaults (cost-aware, m = 1024, lambda 1.3, 8 ranks a
 node) at Kimi-K2's N = 384 and P = 64 on every forced scenario and every PR #7488 workload: the least
-of ``--repeats`` calls (on a quiet machine: the host's load average is recorded beside it), from
-the compiled planner and, alternating with it, from the Python reference it was written from
-(the same plans; ``python_plan_min_ms``).
+of ``--repeats`` calls in a row (on a quiet machine: the host's load average is recorded beside
+it), from the compiled planner and then from the Python reference it was written from (the same
+plans; ``python_plan_min_ms``).
 """
 
 from __future__ import annotations
@@ -146,9 +146,9 @@ def timing_rows(repeats: int, seed: int) -> list[dict]:
     for routing, label, counts in points:
         plan_llep(counts, config, es)
         times, python_times = [], []
-        for _ in range(repeats):  # the two planners alternate, so a busy moment hits both
-            for core, out in ((compiled, times), (None, python_times)):
-                planner._spill_core = core
+        for core, out in ((compiled, times), (None, python_times)):  # each planner's calls back to back
+            planner._spill_core = core
+            for _ in range(repeats):
                 start = time.perf_counter()
                 plan_llep(counts, config, es)
                 out.append(time.perf_counter() - start)
