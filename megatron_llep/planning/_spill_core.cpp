@@ -72,15 +72,15 @@ struct Counts {
     const i64* data;  // [src, expert]
     i64 ep, n;
     std::vector<i64> node_rows;  // [node, expert]: tokens routed to each expert from inside each node
-    mutable std::vector<i64> by_expert;  // [expert, src]: an expert's column, gathered when first asked for
+    std::unique_ptr<i64[]> by_expert;  // [expert, src]: an expert's column, gathered when first asked for
     mutable std::vector<char> gathered;
     const i64* column(i64 e) const {
+        i64* out = by_expert.get() + e * ep;
         if (!gathered[e]) {
-            i64* out = by_expert.data() + e * ep;
             for (i64 src = 0; src < ep; ++src) out[src] = data[src * n + e];
             gathered[e] = 1;
         }
-        return by_expert.data() + e * ep;
+        return out;
     }
 };
 
@@ -1137,7 +1137,8 @@ py::object spill_plan(py::array_t<i64, py::array::c_style | py::array::forcecast
     const i64 ep = counts_array.shape(0), n_exp = counts_array.shape(1);
     if (loads_array.size() != n_exp || before_array.size() != ep || ranks_per_node <= 0 || local * ep != n_exp)
         throw std::invalid_argument("spill_plan: counts, loads, before and the layout disagree");
-    Counts counts{counts_array.data(), ep, n_exp, {}, std::vector<i64>(ep * n_exp), std::vector<char>(n_exp, 0)};
+    Counts counts{counts_array.data(), ep, n_exp, {}, std::unique_ptr<i64[]>(new i64[ep * n_exp]),
+                  std::vector<char>(n_exp, 0)};
     const std::vector<i64> loads(loads_array.data(), loads_array.data() + n_exp);
     const std::vector<i64> before(before_array.data(), before_array.data() + ep);
     Layout lay;
