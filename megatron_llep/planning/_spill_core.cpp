@@ -761,8 +761,7 @@ struct Transport {
     std::vector<i64> supply, need;              // [slot * ep + src], [row]: what is left, rank order
     bool by_node = false;                       // whether the inside-node phase ran
 
-    Transport(const Counts& counts, const std::vector<i64>& loads, const Rows& rows, i64 per_node_arg,
-              const Layout& lay) {
+    Transport(const Counts& counts, const std::vector<i64>& loads, const Rows& rows, const Layout& lay) {
         const i64 ep = counts.ep, n_exp = counts.n;
         const i64 slots = i64(rows.experts.size());
         const size_t nr = rows.rows.size();
@@ -774,7 +773,7 @@ struct Transport {
         }
         own.resize(nr);
         need.resize(nr);
-        const i64 per_node = per_node_arg > 0 ? per_node_arg : ep;
+        const i64 per_node = lay.transport_per_node > 0 ? lay.transport_per_node : ep;
         const i64 nodes = ep / per_node;
         std::vector<i64> supply_total;
         if (per_node < ep) {
@@ -1150,13 +1149,9 @@ py::object spill_plan(py::array_t<i64, py::array::c_style | py::array::forcecast
     lay.node_of.resize(ep);
     for (i64 g = 0; g < ep; ++g) lay.node_of[g] = g / ranks_per_node;
     lay.any_held = held_experts.size() > 0;
-    if (lay.any_held) {
-        lay.holders.assign(n_exp, {});
-        for (py::ssize_t i = 0; i < held_experts.size(); ++i) lay.holders[held_experts.data()[i]].push_back(held_ranks.data()[i]);
-        for (auto& h : lay.holders) std::sort(h.begin(), h.end());
-    } else {
-        lay.holders.assign(n_exp, {});
-    }
+    lay.holders.assign(n_exp, {});
+    for (py::ssize_t i = 0; i < held_experts.size(); ++i) lay.holders[held_experts.data()[i]].push_back(held_ranks.data()[i]);
+    for (auto& h : lay.holders) std::sort(h.begin(), h.end());
     lay.keep_bounded = !keep_room.is_none();
     if (lay.keep_bounded) lay.keep_room = keep_room.cast<std::vector<i64>>();
     if (ranks_per_node < ep) {  // tokens routed to each expert from inside each node
@@ -1178,7 +1173,7 @@ py::object spill_plan(py::array_t<i64, py::array::c_style | py::array::forcecast
     i64 best = 0;
     if (!cost_aware) {
         rows = split_rows({&splits}, lay);
-        amounts = std::make_unique<Transport>(counts, loads, rows, transport_per_node, lay);
+        amounts = std::make_unique<Transport>(counts, loads, rows, lay);
     } else {
         const auto params = pricing.cast<std::vector<double>>();
         const TimeModel tm{params[0], params[1], params[2], params[3], params[4], params[5], params[6]};
@@ -1210,7 +1205,7 @@ py::object spill_plan(py::array_t<i64, py::array::c_style | py::array::forcecast
         for (const auto& s : extra) candidates.push_back(&s);
         const i64 k = i64(candidates.size());
         rows = split_rows(candidates, lay);
-        amounts = std::make_unique<Transport>(counts, loads, rows, transport_per_node, lay);
+        amounts = std::make_unique<Transport>(counts, loads, rows, lay);
         std::vector<i64> traffic_out, traffic_in;
         amounts->traffic(rows, lay, k, traffic_out, traffic_in);
         const Pricing p = make_pricing(counts, loads, lay, tm);

@@ -51,7 +51,7 @@ for itself in isolation can still shorten the slowest rank, and vice versa.
 
 The plan is on every MoE layer's critical path (between the count exchange and the token
 all-to-all), so setup.py compiles the spill planning above into ``_spill_core`` (C++17, pybind11):
-0.05-0.25 ms at N = 384, P = 64 where this Python takes 1-4 ms (benchmarks/planner_copies.py).
+0.09-0.24 ms at N = 384, P = 64 where this Python takes 0.9-4.1 ms (benchmarks/planner_copies.py).
 The Python functions here and in ``assignment`` and ``time_model`` stay the reference it is held
 to, plan for plan, and plan where no compiler was available at install.
 """
@@ -77,7 +77,7 @@ except ImportError:
     _spill_core = None
 
 COMPILED_PLANNER = _spill_core is not None
-"""Whether plans come from the compiled core (the same plans as the Python reference, 10-30x faster)."""
+"""Whether plans come from the compiled core (the same plans as the Python reference, 10-17x faster)."""
 
 _NO_HOLDERS = np.zeros(0, np.int64)
 
